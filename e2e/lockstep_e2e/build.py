@@ -1,0 +1,146 @@
+"""Build the local control plane's binaries through the Go module proxy.
+
+kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes) and
+etcd (go.etcd.io/etcd/server/v3) come from one generated build module; kwok
+from its own module. The binaries are cached by version under
+``$LOCKSTEP_CACHE`` (default ``~/.cache/lockstep``) and never written into the
+repository. A warm cache makes this a no-op.
+
+Run as ``python -m lockstep_e2e.build``; prints where the binaries are.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+KUBERNETES_VERSION = "v1.37.2"
+ETCD_VERSION = "v3.7.3"
+KWOK_VERSION = "v0.8.0"
+
+KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+BINARIES = (*KUBERNETES_COMMANDS, "etcd", "kwok")
+
+ETCD_MAIN = """\
+// Command etcd runs the etcd server built from go.etcd.io/etcd/server/v3.
+package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+"""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep"))
+
+
+def bin_dir() -> Path:
+    """Where the binaries of the pinned versions live."""
+    return cache_root() / f"k8s-{KUBERNETES_VERSION}-etcd-{ETCD_VERSION}-kwok-{KWOK_VERSION}" / "bin"
+
+
+def _step(message: str) -> None:
+    print(f"[build {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _go(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    merged = {**os.environ, "CGO_ENABLED": "0", **(env or {})}
+    result = subprocess.run(["go", *args], cwd=cwd, env=merged, text=True, capture_output=True)
+    if result.returncode != 0:
+        raise SystemExit(f"`go {' '.join(args)}` failed in {cwd}:\n{result.stderr[-4000:]}")
+    return result.stdout
+
+
+def staging_replacements(workdir: Path) -> dict[str, str]:
+    """Each k8s.io staging module that k8s.io/kubernetes replaces with ./staging,
+    mapped to its published version (v0.X.Y for kubernetes v1.X.Y)."""
+    info = json.loads(_go("mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}", cwd=workdir))
+    gomod = json.loads(_go("mod", "edit", "-json", info["GoMod"], cwd=workdir))
+    published = "v0." + KUBERNETES_VERSION.removeprefix("v1.")
+    return {
+        replace["Old"]["Path"]: published
+        for replace in gomod.get("Replace") or []
+        if replace["New"]["Path"].startswith("./staging/")
+    }
+
+
+def version_ldflags() -> str:
+    major, minor, _ = KUBERNETES_VERSION.removeprefix("v").split(".")
+    values = {
+        "gitVersion": KUBERNETES_VERSION,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    flags = [
+        f"-X {package}.{key}={value}"
+        for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for key, value in values.items()
+    ]
+    return " ".join(["-s", "-w", *flags])
+
+
+def write_build_module(workdir: Path) -> None:
+    replacements = staging_replacements(workdir)
+    _step(f"k8s.io/kubernetes {KUBERNETES_VERSION} replaces {len(replacements)} staging modules; pinning them")
+    lines = ["module lockstep.local/controlplane", "", "go 1.26.0", "", "require ("]
+    lines += [f"\tk8s.io/kubernetes {KUBERNETES_VERSION}", f"\tgo.etcd.io/etcd/server/v3 {ETCD_VERSION}", ")", ""]
+    lines += ["replace ("] + [f"\t{path} => {path} {version}" for path, version in sorted(replacements.items())]
+    lines += [")", ""]
+    lines += [f"tool k8s.io/kubernetes/cmd/{name}" for name in KUBERNETES_COMMANDS]
+    (workdir / "go.mod").write_text("\n".join(lines) + "\n")
+    (workdir / "etcd").mkdir(exist_ok=True)
+    (workdir / "etcd" / "main.go").write_text(ETCD_MAIN)
+
+
+def build() -> Path:
+    """Build every missing binary; return the directory that holds them."""
+    target = bin_dir()
+    missing = [name for name in BINARIES if not (target / name).is_file()]
+    if not missing:
+        _step(f"cache is warm: {target}")
+        return target
+    started = time.monotonic()
+    workdir = target.parent / "module"
+    if not (workdir / "go.sum").is_file():
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        write_build_module(workdir)
+        _step("resolving modules (go mod tidy; downloads from the Go module proxy)")
+        _go("mod", "tidy", cwd=workdir)
+    target.mkdir(parents=True, exist_ok=True)
+    ldflags = version_ldflags()
+    for position, name in enumerate(missing, start=1):
+        _step(f"[{position}/{len(missing)}] building {name} (a few minutes each on 2 cores)")
+        output = str(target / name)
+        if name in KUBERNETES_COMMANDS:
+            _go("build", "-trimpath", "-ldflags", ldflags, "-o", output, f"k8s.io/kubernetes/cmd/{name}", cwd=workdir)
+        elif name == "etcd":
+            _go("build", "-trimpath", "-ldflags", "-s -w", "-o", output, "./etcd", cwd=workdir)
+        else:
+            _go(
+                "install",
+                "-trimpath",
+                "-ldflags",
+                "-s -w",
+                f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}",
+                cwd=workdir,
+                env={"GOBIN": str(target)},
+            )
+    _step(f"built {', '.join(missing)} in {time.monotonic() - started:.0f}s into {target}")
+    return target
+
+
+if __name__ == "__main__":
+    print(build())

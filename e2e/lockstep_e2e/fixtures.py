@@ -1,0 +1,54 @@
+"""pytest fixtures: one local control plane per test session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+from kubernetes import client
+
+from lockstep_e2e.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as local:
+        yield local
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in local.pids() if psutil.pid_exists(pid)], timeout=30)
+    assert not alive, f"control-plane processes left behind: {[p.pid for p in alive]}"
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: LocalCluster) -> Iterator[client.ApiClient]:
+    """An admin API client for the session's cluster."""
+    with cluster.api_client() as api:
+        yield api
+
+
+@pytest.fixture
+def namespace(kube: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new namespace named after the test, ready for pods (its default service account exists)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
+    name = f"{slug}-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(kube)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    wait_for(
+        lambda: bool(core.list_namespaced_service_account(name, field_selector="metadata.name=default").items),
+        f"the default service account in namespace {name}",
+    )
+    yield name
+    core.delete_namespace(name)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 60.0, interval: float = 0.2) -> None:
+    """Poll ``condition()`` until it is truthy; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")

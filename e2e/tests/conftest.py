@@ -1,0 +1,3 @@
+from lockstep_e2e.fixtures import cluster, kube, namespace
+
+__all__ = ["cluster", "kube", "namespace"]

@@ -1,0 +1,1 @@
+"""What runs inside Lockstep's pods: the vLLM actor, the trainer, the barrier agent."""

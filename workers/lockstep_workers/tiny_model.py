@@ -1,0 +1,65 @@
+"""Tiny random causal LMs for tests and the local demo: a real Llama architecture with a
+real (word-level) tokenizer, small enough for vLLM and torch on a CPU. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+def vocabulary(size: int) -> dict[str, int]:
+    """Special tokens first, then the words ``w0``, ``w1``, ... up to ``size`` entries."""
+    words = [*SPECIAL_TOKENS, *(f"w{i}" for i in range(size - len(SPECIAL_TOKENS)))]
+    return {word: index for index, word in enumerate(words)}
+
+
+def create_tiny_llama(
+    directory: Path,
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 128,
+    layers: int = 2,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a random Llama (config, safetensors weights, tokenizer) to ``directory`` and return it.
+
+    head_dim is 64: the CPU attention kernel rejects smaller heads.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    head_dim = 64
+    heads = hidden_size // head_dim
+    vocab = vocabulary(vocab_size)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    ).save_pretrained(directory)
+    return directory
