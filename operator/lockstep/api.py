@@ -1,0 +1,306 @@
+"""The lockstep.dev/v1alpha1 API: RLJob and ParityPolicy.
+
+These pydantic models are the one source of truth: the CRD YAML in crds/ is
+generated from them (``python -m lockstep.crds``) and a test checks the two agree.
+CEL rules that the API server enforces live beside the fields they guard.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "lockstep.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+RLJOBS = "rljobs"
+PARITY_POLICIES = "paritypolicies"
+
+
+def cel(rule: str, message: str, *, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+    """One x-kubernetes-validations entry."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    if reason:
+        entry["reason"] = reason
+    return entry
+
+
+def validations(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+def immutable(field: str, why: str) -> dict[str, Any]:
+    return validations(cel("self == oldSelf", f"{field} is immutable while the RLJob exists: {why}"))
+
+
+OPAQUE_OBJECT: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+OPAQUE_LIST: dict[str, Any] = {"type": "array", "items": OPAQUE_OBJECT}
+"""Kubernetes core types passed through to pods as they are (validated by the API server on the pod)."""
+
+
+class Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# -- vLLM settings -------------------------------------------------------------------
+
+
+class LogprobsMode(StrEnum):
+    RAW_LOGPROBS = "raw_logprobs"
+    RAW_LOGITS = "raw_logits"
+    PROCESSED_LOGPROBS = "processed_logprobs"
+    PROCESSED_LOGITS = "processed_logits"
+
+
+class DType(StrEnum):
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class VllmSettings(Model):
+    """vLLM V1 engine arguments, by their CLI names in camelCase (``maxModelLen`` is ``--max-model-len``).
+
+    A user sets them on ``spec.actors.vllm``; an admin locks them on ``ParityPolicy.spec.vllm``.
+    Unset means "vLLM's default".
+    """
+
+    logprobs_mode: LogprobsMode | None = Field(
+        None, description="Which logprobs vLLM returns; the trainer needs processed_logprobs."
+    )
+    enable_prefix_caching: bool | None = Field(None, description="V1 default: on.")
+    async_scheduling: bool | None = Field(None, description="V1 default: on.")
+    disable_cascade_attn: bool | None = Field(
+        None, description="Cascade attention is chosen by heuristic unless disabled."
+    )
+    hf_overrides: dict[str, str | int | float | bool] | None = Field(
+        None, description='Overrides of the Hugging Face config, e.g. {"head_dtype": "float32"} for an fp32 lm_head.'
+    )
+    dtype: DType | None = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    tensor_parallel_size: Annotated[int, Field(ge=1)] | None = None
+    enforce_eager: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    seed: int | None = None
+
+
+# -- ParityPolicy --------------------------------------------------------------------
+
+
+class Enforcement(StrEnum):
+    ENFORCE = "Enforce"
+    WARN = "Warn"
+    AUDIT = "Audit"
+
+
+class PauseMode(StrEnum):
+    KEEP = "keep"
+    ABORT = "abort"
+    WAIT = "wait"
+
+
+class TrainerParity(Model):
+    lm_head_dtype: DType = Field(DType.FLOAT32, description="dtype of the trainer's final projection.")
+
+
+class WeightUpdateSemantics(Model):
+    pause_mode: PauseMode = Field(
+        PauseMode.KEEP, description="keep: in-flight requests stay and resume under the new weights."
+    )
+    clear_cache: bool = Field(False, description="Whether the KV (prefix) cache is dropped on a weight update.")
+
+
+class NamespaceSelector(Model):
+    match_labels: dict[str, str] = Field(default_factory=dict, description="Empty selects every namespace.")
+
+
+PREFIX_CACHE_RULE = cel(
+    "self.weightUpdate.clearCache || (has(self.vllm.enablePrefixCaching) && !self.vllm.enablePrefixCaching)",
+    "incoherent policy: weightUpdate.clearCache=false requires vllm.enablePrefixCaching: false, because with prefix "
+    "caching on, requests after a weight update reuse KV cache computed under the old weights (measured: logprobs "
+    "off by tens of nats). Set vllm.enablePrefixCaching: false, or weightUpdate.clearCache: true",
+    field_path=".vllm.enablePrefixCaching",
+    reason="FieldValueInvalid",
+)
+
+
+class ParityPolicySpec(Model):
+    model_config = ConfigDict(json_schema_extra=validations(PREFIX_CACHE_RULE))
+
+    default: bool = Field(False, description="Used by RLJobs that name no policy. Exactly one policy should set it.")
+    enforcement: Enforcement = Field(
+        Enforcement.ENFORCE,
+        description="Enforce: jobs that set a locked key otherwise are refused. Warn: they run with the locked "
+        "value and a warning. Audit: only recorded.",
+    )
+    namespace_selector: NamespaceSelector = Field(
+        default_factory=NamespaceSelector, description="The namespaces whose RLJobs this policy applies to."
+    )
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="Locked vLLM settings.")
+    trainer: TrainerParity = Field(default_factory=TrainerParity)
+    weight_update: WeightUpdateSemantics = Field(default_factory=WeightUpdateSemantics)
+
+
+class ParityPolicy(Model):
+    api_version: str = API_VERSION
+    kind: str = "ParityPolicy"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: ParityPolicySpec
+
+
+# -- RLJob ---------------------------------------------------------------------------
+
+
+class ModelSource(Model):
+    uri: Annotated[str, Field(min_length=1)] = Field(description="Path in the pod, or a URI, of the base model.")
+    dtype: DType = DType.BFLOAT16
+
+
+class PodOverrides(Model):
+    """Kubernetes pod fields passed through to the pods of one role."""
+
+    resources: dict[str, Any] | None = Field(None, json_schema_extra=OPAQUE_OBJECT)
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
+    affinity: dict[str, Any] | None = Field(None, json_schema_extra=OPAQUE_OBJECT)
+    env: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
+    volumes: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
+    volume_mounts: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
+
+
+class ActorSpec(PodOverrides):
+    replicas: Annotated[int, Field(ge=0, le=4096)] = 1
+    image: Annotated[str, Field(min_length=1)]
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM arguments for the rollout servers.")
+
+
+class Algorithm(StrEnum):
+    GSPO = "gspo"
+    PPO = "ppo"
+    GRPO = "grpo"
+
+
+class TruncatedImportanceSampling(Model):
+    enabled: bool = False
+    cap: Annotated[float, Field(gt=1)] = Field(2.0, description="C in min(pi_train / pi_rollout, C).")
+
+
+class Objective(Model):
+    algorithm: Algorithm = Algorithm.GSPO
+    clip_epsilon_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    clip_epsilon_high: Annotated[float, Field(gt=0)] = 0.28
+    truncated_importance_sampling: TruncatedImportanceSampling = Field(default_factory=TruncatedImportanceSampling)
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-6
+
+
+class TrainerSpec(PodOverrides):
+    replicas: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="torch.distributed world size.")
+    image: Annotated[str, Field(min_length=1)]
+    objective: Objective = Field(default_factory=Objective)
+    args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Further trainer settings passed to the worker as they are."
+    )
+
+
+class WeightSyncBackend(StrEnum):
+    NCCL = "nccl"
+    FILESYSTEM = "filesystem"
+
+
+class TimeoutAction(StrEnum):
+    FAIL_JOB = "FailJob"
+    EVICT_STRAGGLER = "EvictStraggler"
+
+
+class WeightSync(Model):
+    backend: WeightSyncBackend = Field(
+        WeightSyncBackend.FILESYSTEM,
+        json_schema_extra=immutable("spec.weightSync.backend", "the actors and trainer were started for it"),
+    )
+    barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
+    on_timeout: TimeoutAction = TimeoutAction.FAIL_JOB
+
+
+RLJOB_NAME_MAX = 45
+RLJOB_NAME_RULE = cel(
+    f"size(self.metadata.name) <= {RLJOB_NAME_MAX}",
+    f"metadata.name: at most {RLJOB_NAME_MAX} characters, so that pod host names <name>-trainer-<rank> stay "
+    "valid DNS labels (63 characters); choose a shorter name",
+)
+
+
+class RLJobSpec(Model):
+    model: ModelSource = Field(json_schema_extra=immutable("spec.model", "weights are trained from this base model"))
+    parity_policy: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="ParityPolicy to apply; default: the cluster's default policy."
+    )
+    actors: ActorSpec
+    trainer: TrainerSpec
+    weight_sync: WeightSync = Field(default_factory=WeightSync)
+    suspend: bool = False
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(Model):
+    """A metav1.Condition."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ReplicaStatus(Model):
+    desired: int = 0
+    ready: int = 0
+    summary: str = Field("0/0", description="ready/desired, for kubectl get.")
+
+
+class RLJobStatus(Model):
+    phase: Phase = Phase.PENDING
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+    actors: ReplicaStatus = Field(default_factory=ReplicaStatus)
+    trainer: ReplicaStatus = Field(default_factory=ReplicaStatus)
+    weights_version: int | None = None
+    config_fingerprint: str | None = None
+    parity_policy: str | None = Field(None, description="The ParityPolicy that was applied.")
+    restarts: int = 0
+    last_restart_time: str | None = None
+    finished_time: str | None = None
+
+
+class RLJob(Model):
+    api_version: str = API_VERSION
+    kind: str = "RLJob"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: RLJobSpec
+    status: RLJobStatus | None = None

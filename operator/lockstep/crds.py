@@ -1,0 +1,223 @@
+"""CustomResourceDefinitions generated from the models in ``lockstep.api``.
+
+``python -m lockstep.crds [DIR]`` writes them to crds/ (the default); a test
+fails when the committed YAML and the models disagree.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from lockstep import api
+from lockstep.parity import default_policy
+
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+
+# JSON-schema keywords that an OpenAPI v3 structural schema keeps as they are.
+_KEPT = (
+    "type",
+    "description",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minItems",
+    "maxItems",
+    "x-kubernetes-validations",
+    "x-kubernetes-preserve-unknown-fields",
+)
+
+
+def structural_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON schema, inlined and reduced to what a structural CRD schema allows."""
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    return _convert(schema, schema.get("$defs", {}))
+
+
+def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        return _convert({**target, **{k: v for k, v in node.items() if k != "$ref"}}, defs)
+    if "anyOf" in node:
+        options = [option for option in node["anyOf"] if option.get("type") != "null"]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(options) == 1:
+            return _convert({**options[0], **rest}, defs)
+        # A union of scalars (e.g. str | int | bool) has no structural type: keep it as it is.
+        return {**_convert(rest, defs), "x-kubernetes-preserve-unknown-fields": True}
+    out: dict[str, Any] = {key: node[key] for key in _KEPT if key in node}
+    if "exclusiveMinimum" in node:
+        out.update(minimum=node["exclusiveMinimum"], exclusiveMinimum=True)
+    if "exclusiveMaximum" in node:
+        out.update(maximum=node["exclusiveMaximum"], exclusiveMaximum=True)
+    if node.get("default") is not None:
+        out["default"] = node["default"]
+    if "properties" in node:
+        out["properties"] = {
+            name: _property(prop, defs, required=name in node.get("required", []))
+            for name, prop in node["properties"].items()
+        }
+        if node.get("required"):
+            out["required"] = list(node["required"])
+    if "items" in node:
+        out["items"] = _convert(node["items"], defs)
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict) and extra:
+        out["additionalProperties"] = _convert(extra, defs)
+    elif extra is True or extra == {}:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def _property(prop: dict[str, Any], defs: dict[str, Any], *, required: bool) -> dict[str, Any]:
+    converted = _convert(prop, defs)
+    # An optional nested object defaults to {} so that its own field defaults apply (and CEL can read them).
+    if not required and "default" not in converted and "properties" in converted and _is_model_ref(prop):
+        converted["default"] = {}
+    return converted
+
+
+def _is_model_ref(prop: dict[str, Any]) -> bool:
+    return "$ref" in prop
+
+
+def _resource_schema(spec: type[BaseModel], status: type[BaseModel] | None) -> dict[str, Any]:
+    properties: dict[str, Any] = {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": structural_schema(spec),
+    }
+    if status is not None:
+        properties["status"] = structural_schema(status)
+    return {"type": "object", "required": ["spec"], "properties": properties}
+
+
+def _condition_column(name: str, condition: str) -> dict[str, str]:
+    return {"name": name, "type": "string", "jsonPath": f'.status.conditions[?(@.type=="{condition}")].status'}
+
+
+AGE_COLUMN = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
+
+def rljob_crd() -> dict[str, Any]:
+    return _crd(
+        plural=api.RLJOBS,
+        kind="RLJob",
+        scope="Namespaced",
+        short_names=["rlj"],
+        schema={**_resource_schema(api.RLJobSpec, api.RLJobStatus), **api.validations(api.RLJOB_NAME_RULE)},
+        columns=[
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {
+                "name": "Actors",
+                "type": "string",
+                "jsonPath": ".status.actors.summary",
+                "description": "ready/desired actor pods",
+            },
+            {
+                "name": "Trainer",
+                "type": "string",
+                "jsonPath": ".status.trainer.summary",
+                "description": "ready/desired trainer pods",
+            },
+            {"name": "Weights", "type": "integer", "jsonPath": ".status.weightsVersion"},
+            _condition_column("Parity", "ParityLocked"),
+            _condition_column("Ready", "Ready"),
+            AGE_COLUMN,
+        ],
+    )
+
+
+def paritypolicy_crd() -> dict[str, Any]:
+    return _crd(
+        plural=api.PARITY_POLICIES,
+        kind="ParityPolicy",
+        scope="Cluster",
+        short_names=["parity"],
+        schema=_resource_schema(api.ParityPolicySpec, None),
+        columns=[
+            {"name": "Default", "type": "boolean", "jsonPath": ".spec.default"},
+            {"name": "Enforcement", "type": "string", "jsonPath": ".spec.enforcement"},
+            AGE_COLUMN,
+        ],
+    )
+
+
+def _crd(
+    *,
+    plural: str,
+    kind: str,
+    scope: str,
+    short_names: list[str],
+    schema: dict[str, Any],
+    columns: list[dict[str, str]],
+) -> dict[str, Any]:
+    version: dict[str, Any] = {
+        "name": api.VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": schema},
+        "additionalPrinterColumns": columns,
+    }
+    if "status" in schema["properties"]:
+        version["subresources"] = {"status": {}}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": scope,
+            "names": {
+                "plural": plural,
+                "singular": kind.lower(),
+                "kind": kind,
+                "shortNames": short_names,
+                "categories": ["lockstep"],
+            },
+            "versions": [version],
+        },
+    }
+
+
+def rendered() -> dict[str, str]:
+    """File name → YAML text of every generated manifest in crds/."""
+    from lockstep import admission  # it builds on this module
+
+    files = {
+        f"{api.GROUP}_{crd['spec']['names']['plural']}.yaml": _dump(crd) for crd in (rljob_crd(), paritypolicy_crd())
+    }
+    files["admission-parity.yaml"] = "---\n".join(_dump(document) for document in admission.manifests())
+    files["default-paritypolicy.yaml"] = _dump(
+        default_policy().model_dump(mode="json", by_alias=True, exclude_none=True)
+    )
+    return files
+
+
+def _dump(document: dict[str, Any]) -> str:
+    header = "# Generated by `python -m lockstep.crds` from operator/lockstep/api.py. Do not edit.\n"
+    return header + yaml.safe_dump(document, sort_keys=False, width=120)
+
+
+def write(directory: Path = CRD_DIR) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in rendered().items():
+        path = directory / name
+        path.write_text(text)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for written in write(Path(sys.argv[1]) if len(sys.argv) > 1 else CRD_DIR):
+        print(written)
