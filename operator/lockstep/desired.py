@@ -1,0 +1,206 @@
+"""Desired children of an RLJob: pure functions from (job, effective config) to manifests.
+
+Pods are named deterministically (``<job>-actor-<i>``, ``<job>-trainer-<rank>``), so creating
+one twice is a harmless 409 and reconciliation is idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep import keys
+from lockstep.api import API_VERSION, PodOverrides, RLJobSpec
+from lockstep.parity import EffectiveConfig, vllm_cli_args
+
+ACTOR_PORT = 8000
+TRAINER_PORT = 29500
+CONFIG_MOUNT = "/etc/lockstep"
+CONFIG_FILE = "effective-config.json"
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identity of the owning RLJob."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def owner_reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": "RLJob",
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+    def labels(self, role: str | None = None) -> dict[str, str]:
+        labels = {keys.MANAGED_BY: keys.MANAGER, keys.JOB: self.name, "app.kubernetes.io/instance": self.name}
+        if role:
+            labels[keys.ROLE] = role
+        return labels
+
+    def metadata(self, name: str, role: str | None = None) -> dict[str, Any]:
+        return {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": self.labels(role),
+            "ownerReferences": [self.owner_reference()],
+        }
+
+
+def pod_name(job: str, role: str, index: int) -> str:
+    return f"{job}-{role}-{index}"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def actor_service_name(job: str) -> str:
+    return f"{job}-actors"
+
+
+def trainer_service_name(job: str) -> str:
+    return f"{job}-trainer"
+
+
+def config_map(job: JobRef, config: EffectiveConfig) -> dict[str, Any]:
+    """The effective configuration, for people and for the pods (mounted at /etc/lockstep)."""
+    document = {"fingerprint": config.fingerprint, "policy": config.policy, **config.document()}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": job.metadata(config_map_name(job.name)),
+        "data": {
+            CONFIG_FILE: json.dumps(document, indent=2, sort_keys=True),
+            "vllm-args": " ".join(vllm_cli_args(config.vllm)),
+        },
+    }
+
+
+def services(job: JobRef) -> list[dict[str, Any]]:
+    """A ClusterIP Service in front of the actors; a headless one giving trainer pods stable DNS names."""
+    actors = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": job.metadata(actor_service_name(job.name), keys.ACTOR),
+        "spec": {
+            "selector": job.labels(keys.ACTOR),
+            "ports": [{"name": "http", "port": ACTOR_PORT, "targetPort": ACTOR_PORT}],
+        },
+    }
+    trainer = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": job.metadata(trainer_service_name(job.name), keys.TRAINER),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": job.labels(keys.TRAINER),
+            "ports": [{"name": "rendezvous", "port": TRAINER_PORT, "targetPort": TRAINER_PORT}],
+        },
+    }
+    return [actors, trainer]
+
+
+def pods(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> list[dict[str, Any]]:
+    """Every pod the job should have, actors first."""
+    actors = [actor_pod(job, spec, config, index) for index in range(spec.actors.replicas)]
+    trainers = [trainer_pod(job, spec, config, rank) for rank in range(spec.trainer.replicas)]
+    return actors + trainers
+
+
+def actor_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int) -> dict[str, Any]:
+    args = [f"--model={spec.model.uri}", f"--port={ACTOR_PORT}", *vllm_cli_args(config.vllm)]
+    container = {
+        "name": keys.ACTOR,
+        "image": spec.actors.image,
+        "command": ["python", "-m", "lockstep_workers.actor"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": ACTOR_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": ACTOR_PORT}, "periodSeconds": 5},
+    }
+    return _pod(job, spec.actors, config, keys.ACTOR, index, container, hostname=None)
+
+
+def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int) -> dict[str, Any]:
+    objective = spec.trainer.objective.model_dump(mode="json", by_alias=True)
+    settings = {"objective": objective, "args": spec.trainer.args}
+    master = f"{pod_name(job.name, keys.TRAINER, 0)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
+    container = {
+        "name": keys.TRAINER,
+        "image": spec.trainer.image,
+        "command": ["python", "-m", "lockstep_workers.trainer"],
+        "args": [f"--model={spec.model.uri}", f"--settings={json.dumps(settings, sort_keys=True)}"],
+        "ports": [{"name": "rendezvous", "containerPort": TRAINER_PORT}],
+        "env": [
+            {"name": "MASTER_ADDR", "value": master},
+            {"name": "MASTER_PORT", "value": str(TRAINER_PORT)},
+            {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
+            {"name": "RANK", "value": str(rank)},
+            {"name": "LOCKSTEP_ACTORS_URL", "value": f"http://{actor_service_name(job.name)}:{ACTOR_PORT}"},
+        ],
+    }
+    return _pod(job, spec.trainer, config, keys.TRAINER, rank, container, hostname=pod_name(job.name, "trainer", rank))
+
+
+def _pod(
+    job: JobRef,
+    overrides: PodOverrides,
+    config: EffectiveConfig,
+    role: str,
+    index: int,
+    container: dict[str, Any],
+    hostname: str | None,
+) -> dict[str, Any]:
+    name = pod_name(job.name, role, index)
+    env = [
+        *container.pop("env", []),
+        {"name": "LOCKSTEP_JOB", "value": job.name},
+        {"name": "LOCKSTEP_ROLE", "value": role},
+        {"name": "LOCKSTEP_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        *(overrides.env or []),
+    ]
+    container = {
+        **container,
+        "env": env,
+        "resources": overrides.resources or {},
+        "volumeMounts": [
+            {"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            *(overrides.volume_mounts or []),
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        # The operator, not the kubelet, restarts failed pods, so that maxRestarts counts every failure.
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            {"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}},
+            *(overrides.volumes or []),
+        ],
+    }
+    if hostname:
+        pod_spec.update(hostname=hostname, subdomain=trainer_service_name(job.name))
+    for field, value in (
+        ("nodeSelector", overrides.node_selector),
+        ("tolerations", overrides.tolerations),
+        ("affinity", overrides.affinity),
+    ):
+        if value:
+            pod_spec[field] = value
+    metadata = job.metadata(name, role)
+    metadata["labels"][keys.INDEX] = str(index)
+    metadata["annotations"] = {keys.CONFIG_FINGERPRINT: config.fingerprint, keys.TEMPLATE_HASH: _hash(pod_spec)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _hash(document: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,182 @@
+"""Parity policy resolution: which ParityPolicy governs a job, and the effective
+configuration that results from merging the job's vLLM settings with the locked ones.
+
+Pure functions; the operator feeds them what it read from the API server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep.api import (
+    DType,
+    Enforcement,
+    LogprobsMode,
+    ParityPolicy,
+    ParityPolicySpec,
+    RLJobSpec,
+    TrainerParity,
+    VllmSettings,
+    WeightUpdateSemantics,
+)
+
+DEFAULT_POLICY_NAME = "default"
+
+
+def default_policy() -> ParityPolicy:
+    """The shipped default: the four backend fixes of DESIGN.md §1, locked and enforced."""
+    return ParityPolicy(
+        metadata={"name": DEFAULT_POLICY_NAME},
+        spec=ParityPolicySpec(
+            default=True,
+            enforcement=Enforcement.ENFORCE,
+            vllm=VllmSettings(
+                logprobs_mode=LogprobsMode.PROCESSED_LOGPROBS,
+                enable_prefix_caching=False,
+                async_scheduling=False,
+                disable_cascade_attn=True,
+                hf_overrides={"head_dtype": "float32"},
+            ),
+            trainer=TrainerParity(lm_head_dtype=DType.FLOAT32),
+            weight_update=WeightUpdateSemantics(),
+        ),
+    )
+
+
+class PolicyError(ValueError):
+    """No usable policy: ``reason`` is a condition reason, the message says what to do."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A key the job sets to something other than its locked value."""
+
+    key: str
+    requested: Any
+    locked: Any
+
+    def describe(self) -> str:
+        return f"spec.actors.vllm.{self.key}={_show(self.requested)} (locked to {_show(self.locked)})"
+
+
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """What the pods of a job run with, and the sha256 fingerprint stamped on them."""
+
+    policy: str
+    enforcement: Enforcement
+    vllm: dict[str, Any]
+    trainer: dict[str, Any]
+    weight_update: dict[str, Any]
+    model: dict[str, Any]
+    conflicts: list[Conflict] = field(default_factory=list)
+
+    @property
+    def fingerprint(self) -> str:
+        canonical = json.dumps(self.document(), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+    def document(self) -> dict[str, Any]:
+        """The part that determines parity (written to the job's ConfigMap)."""
+        return {
+            "model": self.model,
+            "vllm": self.vllm,
+            "trainer": self.trainer,
+            "weightUpdate": self.weight_update,
+        }
+
+    @property
+    def refused(self) -> bool:
+        return bool(self.conflicts) and self.enforcement is Enforcement.ENFORCE
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def select_policy(
+    requested: str | None, policies: list[ParityPolicy], namespace: str, namespace_labels: dict[str, str]
+) -> ParityPolicy:
+    """The policy a job in ``namespace`` uses: the one it names, else the single default policy."""
+    if requested:
+        chosen = next((p for p in policies if p.metadata.get("name") == requested), None)
+        if chosen is None:
+            raise PolicyError(
+                "PolicyNotFound",
+                f"spec.parityPolicy: ParityPolicy {requested!r} does not exist; create it or name an existing one "
+                "(kubectl get paritypolicies)",
+            )
+    else:
+        defaults = sorted(p.metadata.get("name", "") for p in policies if p.spec.default)
+        if not defaults:
+            raise PolicyError(
+                "NoDefaultPolicy",
+                "spec.parityPolicy is not set and no ParityPolicy has spec.default: true; set spec.parityPolicy, "
+                "or install the default policy (crds/default-paritypolicy.yaml)",
+            )
+        if len(defaults) > 1:
+            raise PolicyError(
+                "AmbiguousDefaultPolicy",
+                f"spec.parityPolicy is not set and {len(defaults)} ParityPolicies are marked default "
+                f"({', '.join(defaults)}); set spec.default: true on only one, or set spec.parityPolicy",
+            )
+        chosen = next(p for p in policies if p.metadata.get("name") == defaults[0])
+    selector = chosen.spec.namespace_selector.match_labels
+    if any(namespace_labels.get(key) != value for key, value in selector.items()):
+        raise PolicyError(
+            "PolicyNotApplicable",
+            f"ParityPolicy {chosen.metadata.get('name')!r} does not apply to namespace {namespace!r} "
+            f"(its namespaceSelector needs labels {selector}); label the namespace or choose another policy",
+        )
+    return chosen
+
+
+def settings_dict(settings: VllmSettings) -> dict[str, Any]:
+    """The keys that are set, by their API (camelCase) names."""
+    return settings.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
+    """Merge the job's vLLM settings with the policy's locked ones.
+
+    Under Enforce and Warn the locked value wins; under Audit the job's value is kept. Either way every
+    differing key is reported as a conflict, so the caller can refuse, warn or record.
+    """
+    requested = settings_dict(spec.actors.vllm)
+    locked = settings_dict(policy.spec.vllm)
+    conflicts = [
+        Conflict(key, requested[key], value)
+        for key, value in locked.items()
+        if key in requested and requested[key] != value
+    ]
+    vllm = {**locked, **requested} if policy.spec.enforcement is Enforcement.AUDIT else {**requested, **locked}
+    return EffectiveConfig(
+        policy=policy.metadata.get("name", ""),
+        enforcement=policy.spec.enforcement,
+        vllm=dict(sorted(vllm.items())),
+        trainer=policy.spec.trainer.model_dump(mode="json", by_alias=True),
+        weight_update=policy.spec.weight_update.model_dump(mode="json", by_alias=True),
+        model=spec.model.model_dump(mode="json", by_alias=True),
+        conflicts=conflicts,
+    )
+
+
+def vllm_cli_args(vllm: dict[str, Any]) -> list[str]:
+    """Render effective vLLM settings as ``vllm serve``-style flags (``--max-model-len=512``)."""
+    args = []
+    for key, value in vllm.items():
+        flag = "--" + "".join("-" + c.lower() if c.isupper() else c for c in key)
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, dict):
+            args.append(f"{flag}={json.dumps(value, sort_keys=True, separators=(',', ':'))}")
+        else:
+            args.append(f"{flag}={value}")
+    return args

@@ -1,0 +1,336 @@
+"""The RLJob reconciler's functional core: what the operator read → what it should do.
+
+``reconcile`` is pure. The kopf shell (lockstep.controller) lists the job's pods, the
+ParityPolicies and the namespace's labels, calls it, and carries out the returned Plan.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from lockstep import desired, keys
+from lockstep.api import Enforcement, ParityPolicy, Phase, ReplicaStatus, RLJobSpec, RLJobStatus
+from lockstep.conditions import PARITY_LOCKED, READY, find, set_condition
+from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
+
+MAX_BACKOFF_SECONDS = 300.0
+FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
+# Condition reasons whose transition Event is a Warning even though the condition is True, and
+# False ones that are ordinary progress rather than trouble.
+WARNING_REASONS = frozenset({"LockedValuesApplied"})
+BENIGN_REASONS = frozenset({"PodsNotReady", "Suspended", "TrainerSucceeded"})
+
+
+def restart_backoff_seconds(restarts: int, base: float = 10.0) -> float:
+    """Wait before recreating pods after the n-th restart: base, 2·base, 4·base, ... capped at 5 minutes."""
+    return min(base * 2.0 ** max(restarts - 1, 0), MAX_BACKOFF_SECONDS)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the operator read from the API server for one RLJob."""
+
+    job: dict[str, Any]
+    pods: list[dict[str, Any]]
+    policies: list[dict[str, Any]]
+    namespace_labels: dict[str, str]
+    now: dt.datetime
+    backoff_base_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    """What to do, in order: apply children, delete pods, create pods, write status, emit events."""
+
+    status: RLJobStatus
+    children: list[dict[str, Any]] = field(default_factory=list)
+    delete_pods: dict[str, str] = field(default_factory=dict)  # pod name → why
+    create_pods: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+    delete_job: bool = False
+
+
+def timestamp(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: str) -> dt.datetime:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+
+
+def pod_phase(pod: dict[str, Any]) -> str:
+    return str((pod.get("status") or {}).get("phase", "Pending"))
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _annotation(pod: dict[str, Any], key: str) -> str | None:
+    value = (pod["metadata"].get("annotations") or {}).get(key)
+    return None if value is None else str(value)
+
+
+class _Reconciler:
+    """One reconcile pass; methods fill ``self.plan``."""
+
+    def __init__(self, observed: Observed) -> None:
+        self.observed = observed
+        metadata = observed.job["metadata"]
+        self.job = desired.JobRef(metadata["name"], metadata["namespace"], metadata["uid"])
+        self.generation: int | None = metadata.get("generation")
+        self.now = timestamp(observed.now)
+        self.old = RLJobStatus.model_validate(observed.job.get("status") or {})
+        status = self.old.model_copy(deep=True)
+        status.observed_generation = self.generation
+        self.plan = Plan(status=status)
+        self.pods = {p["metadata"]["name"]: p for p in observed.pods if not p["metadata"].get("deletionTimestamp")}
+
+    @property
+    def status(self) -> RLJobStatus:
+        return self.plan.status
+
+    def condition(self, type_: str, ok: bool, reason: str, message: str) -> None:
+        self.status.conditions = set_condition(
+            self.status.conditions, type_, ok, reason, message, generation=self.generation, now=self.now
+        )
+
+    def event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        self.plan.events.append(Event("Warning" if warning else "Normal", reason, message))
+
+    def delete_all_pods(self, why: str) -> None:
+        for name in self.pods:
+            self.plan.delete_pods[name] = why
+
+    # -- the pass ------------------------------------------------------------------------
+
+    def run(self) -> Plan:
+        try:
+            spec = RLJobSpec.model_validate(self.observed.job.get("spec") or {})
+        except ValidationError as error:
+            self.condition(READY, False, "InvalidSpec", f"the RLJob spec is invalid: {error}")
+            return self.finish()
+        if self.status.phase in FINISHED:
+            self.delete_all_pods(f"the job {self.status.phase.value.lower()}")
+            self.expire(spec)
+            return self.finish()
+        config = self.resolve_parity(spec)
+        if config is None:
+            return self.finish()
+        self.plan.children = [desired.config_map(self.job, config), *desired.services(self.job)]
+        if spec.suspend:
+            self.delete_all_pods("the job is suspended")
+            self.status.phase = Phase.SUSPENDED
+            self.condition(READY, False, "Suspended", "spec.suspend is true: pods are deleted, the status is kept")
+            self.count(spec, {})
+            return self.finish()
+        self.run_pods(spec, config)
+        return self.finish()
+
+    def resolve_parity(self, spec: RLJobSpec) -> EffectiveConfig | None:
+        """Set ParityLocked; return the effective config, or None when the job may not run."""
+        meta = self.observed.job["metadata"]
+        try:
+            policies = [ParityPolicy.model_validate(p) for p in self.observed.policies]
+            policy = select_policy(spec.parity_policy, policies, meta["namespace"], self.observed.namespace_labels)
+        except PolicyError as error:
+            message = str(error)
+            if self.pods:
+                message += (
+                    f"; the {len(self.pods)} existing pods keep running with the last applied configuration "
+                    f"({self.status.config_fingerprint}) and no new pods are created"
+                )
+            self.condition(PARITY_LOCKED, False, error.reason, message)
+            self.condition(READY, False, error.reason, message)
+            return None
+        config = effective_config(spec, policy)
+        self.status.parity_policy = config.policy
+        conflicts = "; ".join(c.describe() for c in config.conflicts)
+        if config.refused:
+            message = (
+                f"ParityPolicy {config.policy!r} (Enforce) locks keys this job sets otherwise: {conflicts}. "
+                "Remove them from spec.actors.vllm or set them to the locked values; no pods run until then"
+            )
+            self.delete_all_pods("the job conflicts with its ParityPolicy")
+            self.status.phase = Phase.PENDING
+            self.condition(PARITY_LOCKED, False, "ConflictsWithPolicy", message)
+            self.condition(READY, False, "ConflictsWithPolicy", message)
+            self.count(spec, {})
+            return None
+        if not config.conflicts:
+            self.condition(PARITY_LOCKED, True, "Locked", f"vLLM settings locked by ParityPolicy {config.policy!r}")
+        elif config.enforcement is Enforcement.WARN:
+            message = (
+                f"ParityPolicy {config.policy!r} (Warn) overrode: {conflicts}; the pods run with the locked values"
+            )
+            self.condition(PARITY_LOCKED, True, "LockedValuesApplied", message)
+        else:
+            self.condition(
+                PARITY_LOCKED,
+                False,
+                "AuditOnly",
+                f"ParityPolicy {config.policy!r} (Audit) records that this job differs: {conflicts}; "
+                "the pods run with the job's own values",
+            )
+        self.status.config_fingerprint = config.fingerprint
+        return config
+
+    def run_pods(self, spec: RLJobSpec, config: EffectiveConfig) -> None:
+        wanted = {p["metadata"]["name"]: p for p in desired.pods(self.job, spec, config)}
+        rank0 = self.pods.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
+        if rank0 is not None and pod_phase(rank0) == "Succeeded":
+            self.finish_job(spec, Phase.SUCCEEDED, "TrainerSucceeded", "the trainer (rank 0) completed")
+            return
+        if self.handle_losses(spec, wanted):
+            return
+        for name, pod in self.pods.items():
+            target = wanted.get(name)
+            if target is None:
+                self.plan.delete_pods[name] = "no longer desired (scaled down)"
+            elif _annotation(pod, keys.CONFIG_FINGERPRINT) != config.fingerprint:
+                self.plan.delete_pods[name] = "it ran under another parity configuration (drift)"
+                self.condition(
+                    PARITY_LOCKED,
+                    False,
+                    "Drift",
+                    f"pod {name} runs with config {_annotation(pod, keys.CONFIG_FINGERPRINT)}, not "
+                    f"{config.fingerprint}; replacing it",
+                )
+            elif _annotation(pod, keys.TEMPLATE_HASH) != _annotation(target, keys.TEMPLATE_HASH):
+                self.plan.delete_pods[name] = "the pod spec changed"
+        # Pods deleted in this pass are recreated in a later one, once they are gone.
+        missing = [pod for name, pod in wanted.items() if name not in self.pods]
+        replaced = [name for name in wanted if name in self.plan.delete_pods]
+        wait = self.backoff_remaining()
+        if wait <= 0:
+            self.plan.create_pods = missing
+        elif missing or replaced:
+            self.plan.requeue_after = wait
+        live = {name: pod for name, pod in self.pods.items() if name not in self.plan.delete_pods and name in wanted}
+        self.count(spec, live)
+        if self.status.actors.ready == spec.actors.replicas and self.status.trainer.ready == spec.trainer.replicas:
+            self.status.phase = Phase.RUNNING
+            self.condition(READY, True, "AllPodsReady", self.readiness_message())
+        else:
+            if self.old.phase is not Phase.RUNNING:
+                self.status.phase = Phase.PENDING
+            ready = find(self.status.conditions, READY)
+            if ready is None or ready.reason != "Restarting" or wait <= 0:
+                self.condition(READY, False, "PodsNotReady", self.readiness_message())
+
+    def handle_losses(self, spec: RLJobSpec, wanted: dict[str, dict[str, Any]]) -> bool:
+        """Count failed or vanished pods as one restart; return True when the job failed for good."""
+        failed = sorted(name for name, pod in self.pods.items() if pod_phase(pod) == "Failed")
+        vanished = sorted(name for name, pod in wanted.items() if name not in self.pods and self.was_running(pod))
+        for name in failed:
+            self.plan.delete_pods[name] = "it failed"
+        lost = failed + vanished
+        ready = find(self.old.conditions, READY)
+        if not lost or (ready is not None and ready.reason == "Restarting"):
+            return False
+        self.status.restarts += 1
+        self.status.last_restart_time = self.now
+        what = f"pod(s) {', '.join(lost)} failed or were deleted"
+        if self.status.restarts > spec.max_restarts:
+            self.finish_job(
+                spec,
+                Phase.FAILED,
+                "RestartLimitExceeded",
+                f"{what}; the job already restarted {spec.max_restarts} time(s) (spec.maxRestarts)",
+            )
+            return True
+        delay = restart_backoff_seconds(self.status.restarts, self.observed.backoff_base_seconds)
+        message = f"{what}; restart {self.status.restarts} of {spec.max_restarts} in {delay:.0f}s"
+        self.condition(READY, False, "Restarting", message)
+        self.event("Restarting", message, warning=True)
+        return False
+
+    def was_running(self, pod: dict[str, Any]) -> bool:
+        """Whether this pod was part of the job when it last ran (a later scale-up adds new indices)."""
+        if self.old.phase is not Phase.RUNNING:
+            return False
+        labels = pod["metadata"]["labels"]
+        previous = self.old.actors if labels[keys.ROLE] == keys.ACTOR else self.old.trainer
+        return int(labels[keys.INDEX]) < previous.desired
+
+    def backoff_remaining(self) -> float:
+        ready = find(self.status.conditions, READY)
+        if ready is None or ready.reason != "Restarting" or self.status.last_restart_time is None:
+            return 0.0
+        delay = restart_backoff_seconds(self.status.restarts, self.observed.backoff_base_seconds)
+        elapsed = (self.observed.now - parse_timestamp(self.status.last_restart_time)).total_seconds()
+        return max(delay - elapsed, 0.0)
+
+    def finish_job(self, spec: RLJobSpec, phase: Phase, reason: str, message: str) -> None:
+        self.status.phase = phase
+        self.status.finished_time = self.now
+        self.delete_all_pods(f"the job {phase.value.lower()}")
+        self.condition(READY, False, reason, message)
+        self.event(reason, message, warning=phase is Phase.FAILED)
+        self.count(spec, {})
+        self.expire(spec)
+
+    def expire(self, spec: RLJobSpec) -> None:
+        """Honour ttlSecondsAfterFinished."""
+        if spec.ttl_seconds_after_finished is None or self.status.finished_time is None:
+            return
+        expires = parse_timestamp(self.status.finished_time) + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
+        remaining = (expires - self.observed.now).total_seconds()
+        if remaining <= 0:
+            self.plan.delete_job = True
+        else:
+            self.plan.requeue_after = remaining
+
+    def count(self, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:
+        def replicas(role: str, wanted: int) -> ReplicaStatus:
+            ready = sum(1 for p in live.values() if p["metadata"]["labels"].get(keys.ROLE) == role and pod_ready(p))
+            return ReplicaStatus(desired=wanted, ready=ready, summary=f"{ready}/{wanted}")
+
+        self.status.actors = replicas(keys.ACTOR, spec.actors.replicas)
+        self.status.trainer = replicas(keys.TRAINER, spec.trainer.replicas)
+
+    def readiness_message(self) -> str:
+        return f"{self.status.actors.summary} actors and {self.status.trainer.summary} trainer pods ready"
+
+    def finish(self) -> Plan:
+        """Add an Event for each phase or condition transition."""
+        if self.status.phase != self.old.phase:
+            self.event(f"Phase{self.status.phase.value}", f"phase {self.old.phase.value} → {self.status.phase.value}")
+        for condition in self.status.conditions:
+            before = find(self.old.conditions, condition.type)
+            if before is None or (before.status, before.reason) != (condition.status, condition.reason):
+                warning = condition.reason in WARNING_REASONS or (
+                    condition.status.value == "False" and condition.reason not in BENIGN_REASONS
+                )
+                message = f"{condition.type}={condition.status.value}: {condition.message}"
+                self.event(condition.reason, message, warning=warning)
+        if self.plan.create_pods:
+            names = [p["metadata"]["name"] for p in self.plan.create_pods]
+            self.event("CreatingPods", f"creating {len(names)} pod(s): {_abbreviate(names)}")
+        for why in sorted(set(self.plan.delete_pods.values())):
+            names = [n for n, w in self.plan.delete_pods.items() if w == why]
+            self.event("DeletingPods", f"deleting {len(names)} pod(s) because {why}: {_abbreviate(names)}")
+        return self.plan
+
+
+def _abbreviate(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def reconcile(observed: Observed) -> Plan:
+    """Decide what the operator does for one RLJob, given what it read."""
+    return _Reconciler(observed).run()

@@ -1,0 +1,42 @@
+"""Builders of raw API objects for the operator's unit tests."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from lockstep.parity import default_policy
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def job(name: str = "demo", *, status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "lockstep.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": name, "namespace": "team-a", "uid": "uid-1", "generation": 1},
+        "spec": {
+            "model": {"uri": "/models/tiny"},
+            "actors": {"image": "lockstep/actor:dev", "replicas": 2},
+            "trainer": {"image": "lockstep/trainer:dev", "replicas": 1},
+            **spec,
+        },
+    }
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+def policy(name: str = "default", **spec: Any) -> dict[str, Any]:
+    body = default_policy().model_dump(mode="json", by_alias=True)
+    body["metadata"] = {"name": name}
+    body["spec"].update(spec)
+    return body
+
+
+def running(pod: dict[str, Any], phase: str = "Running", ready: bool = True) -> dict[str, Any]:
+    """The pod as the API server returns it once kwok ran it."""
+    return {
+        **pod,
+        "status": {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }

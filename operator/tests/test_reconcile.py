@@ -1,0 +1,234 @@
+"""The reconciler's decisions, one situation at a time, and properties over many."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from factories import NOW, job, policy, running
+from lockstep import keys
+from lockstep.api import Phase
+from lockstep.conditions import PARITY_LOCKED, READY, find
+from lockstep.reconcile import Observed, Plan, reconcile, restart_backoff_seconds
+
+
+def plan_for(
+    body: dict[str, Any],
+    pods: list[dict[str, Any]] | None = None,
+    *,
+    now: dt.datetime = NOW,
+    policies: list[dict[str, Any]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> Plan:
+    return reconcile(Observed(body, pods or [], [policy()] if policies is None else policies, labels or {}, now))
+
+
+def status_of(plan: Plan) -> dict[str, Any]:
+    return plan.status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def settle(body: dict[str, Any], ready: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Reconcile a new job, 'run' the pods it created, reconcile again: the job as it is once running."""
+    first = plan_for(body)
+    pods = [running(p, ready=ready) for p in first.create_pods]
+    second = plan_for({**body, "status": status_of(first)}, pods)
+    return {**body, "status": status_of(second)}, pods
+
+
+def condition(plan: Plan, type_: str) -> tuple[str, str]:
+    found = find(plan.status.conditions, type_)
+    assert found is not None
+    return found.status.value, found.reason
+
+
+def test_new_job_creates_its_pods_and_children() -> None:
+    plan = plan_for(job())
+    assert [p["metadata"]["name"] for p in plan.create_pods] == ["demo-actor-0", "demo-actor-1", "demo-trainer-0"]
+    assert {c["kind"] for c in plan.children} == {"ConfigMap", "Service"}
+    assert plan.status.phase is Phase.PENDING
+    assert condition(plan, PARITY_LOCKED) == ("True", "Locked")
+    assert plan.status.config_fingerprint and plan.status.parity_policy == "default"
+
+
+def test_job_is_running_once_every_pod_is_ready() -> None:
+    body, pods = settle(job())
+    assert body["status"]["phase"] == "Running"
+    assert body["status"]["actors"] == {"desired": 2, "ready": 2, "summary": "2/2"}
+    plan = plan_for(body, pods)
+    assert not plan.create_pods and not plan.delete_pods
+    assert status_of(plan) == body["status"], "a settled job must not rewrite its status"
+
+
+def test_trainer_pods_get_the_torch_distributed_environment() -> None:
+    plan = plan_for(job(trainer={"image": "t", "replicas": 2}))
+    trainers = [p for p in plan.create_pods if p["metadata"]["labels"][keys.ROLE] == keys.TRAINER]
+    env = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in trainers]
+    assert [e["RANK"] for e in env] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in env} == {"2"}
+    assert {e["MASTER_ADDR"] for e in env} == {"demo-trainer-0.demo-trainer.team-a.svc"}
+    assert trainers[1]["spec"]["subdomain"] == "demo-trainer"
+
+
+def test_enforced_conflict_creates_no_pods_and_names_each_key() -> None:
+    plan = plan_for(job(actors={"image": "a", "vllm": {"logprobsMode": "raw_logprobs", "asyncScheduling": True}}))
+    assert not plan.create_pods
+    assert condition(plan, PARITY_LOCKED) == ("False", "ConflictsWithPolicy")
+    message = find(plan.status.conditions, PARITY_LOCKED).message  # type: ignore[union-attr]
+    assert "spec.actors.vllm.logprobsMode=raw_logprobs (locked to processed_logprobs)" in message
+    assert "spec.actors.vllm.asyncScheduling=true (locked to false)" in message
+
+
+def test_policy_tightened_later_removes_the_running_pods() -> None:
+    body, pods = settle(job(actors={"image": "a", "vllm": {"maxModelLen": 512}}))
+    stricter = policy()
+    stricter["spec"]["vllm"]["maxModelLen"] = 1024
+    plan = plan_for(body, pods, policies=[stricter])
+    assert set(plan.delete_pods) == {p["metadata"]["name"] for p in pods}
+    assert condition(plan, PARITY_LOCKED) == ("False", "ConflictsWithPolicy")
+
+
+def test_warn_runs_with_locked_values_and_emits_a_warning() -> None:
+    plan = plan_for(
+        job(actors={"image": "a", "vllm": {"enablePrefixCaching": True}}), policies=[policy(enforcement="Warn")]
+    )
+    assert plan.create_pods
+    assert "--no-enable-prefix-caching" in plan.create_pods[0]["spec"]["containers"][0]["args"]
+    assert condition(plan, PARITY_LOCKED) == ("True", "LockedValuesApplied")
+    assert any(e.type == "Warning" and e.reason == "LockedValuesApplied" for e in plan.events)
+
+
+def test_missing_policy_keeps_existing_pods_and_says_so() -> None:
+    body, pods = settle(job())
+    plan = plan_for(body, pods, policies=[])
+    assert not plan.delete_pods and not plan.create_pods
+    status, reason = condition(plan, PARITY_LOCKED)
+    assert (status, reason) == ("False", "NoDefaultPolicy")
+    assert "the 3 existing pods keep running with the last applied configuration" in (
+        find(plan.status.conditions, PARITY_LOCKED).message  # type: ignore[union-attr]
+    )
+
+
+def test_a_pod_with_another_fingerprint_is_drift_and_replaced() -> None:
+    body, pods = settle(job())
+    pods[0]["metadata"]["annotations"][keys.CONFIG_FINGERPRINT] = "sha256:other"
+    plan = plan_for(body, pods)
+    assert list(plan.delete_pods) == ["demo-actor-0"]
+    assert condition(plan, PARITY_LOCKED) == ("False", "Drift")
+
+
+def test_scaling_actors_up_and_down() -> None:
+    body, pods = settle(job())
+    up = plan_for({**body, "spec": {**body["spec"], "actors": {"image": "lockstep/actor:dev", "replicas": 3}}}, pods)
+    assert [p["metadata"]["name"] for p in up.create_pods] == ["demo-actor-2"]
+    assert up.status.restarts == 0, "a scale-up is not a restart"
+    down = plan_for({**body, "spec": {**body["spec"], "actors": {"image": "lockstep/actor:dev", "replicas": 1}}}, pods)
+    assert list(down.delete_pods) == ["demo-actor-1"]
+
+
+def test_failed_pod_is_restarted_after_backoff_then_the_job_fails_past_max_restarts() -> None:
+    body, pods = settle(job(maxRestarts=1))
+    pods[1] = running(pods[1], phase="Failed", ready=False)
+    lost = plan_for(body, pods)
+    assert lost.status.restarts == 1 and condition(lost, READY) == ("False", "Restarting")
+    assert lost.delete_pods == {"demo-actor-1": "it failed"}
+    assert not lost.create_pods and lost.requeue_after == restart_backoff_seconds(1)
+
+    body = {**body, "status": status_of(lost)}
+    survivors = [p for p in pods if p["metadata"]["name"] != "demo-actor-1"]
+    early = plan_for(body, survivors, now=NOW + dt.timedelta(seconds=3))
+    assert not early.create_pods and early.status.restarts == 1
+    later = plan_for(body, survivors, now=NOW + dt.timedelta(seconds=11))
+    assert [p["metadata"]["name"] for p in later.create_pods] == ["demo-actor-1"]
+
+    body = {**body, "status": status_of(later)}
+    back = [*survivors, running(later.create_pods[0])]
+    healthy = plan_for(body, back, now=NOW + dt.timedelta(seconds=12))
+    assert condition(healthy, READY) == ("True", "AllPodsReady")
+
+    body = {**body, "status": status_of(healthy)}
+    gone = plan_for(body, back[1:], now=NOW + dt.timedelta(seconds=20))
+    assert gone.status.phase is Phase.FAILED
+    assert condition(gone, READY) == ("False", "RestartLimitExceeded")
+    assert set(gone.delete_pods) == {p["metadata"]["name"] for p in back[1:]}
+
+
+def test_suspend_deletes_pods_and_keeps_status_and_resume_recreates() -> None:
+    body, pods = settle(job())
+    suspended = plan_for({**body, "spec": {**body["spec"], "suspend": True}}, pods)
+    assert set(suspended.delete_pods) == {p["metadata"]["name"] for p in pods}
+    assert suspended.status.phase is Phase.SUSPENDED
+    assert suspended.status.config_fingerprint == body["status"]["configFingerprint"]
+    resumed = plan_for({**body, "status": status_of(suspended)}, [])
+    assert len(resumed.create_pods) == 3 and resumed.status.restarts == 0
+
+
+def test_trainer_success_finishes_the_job_and_ttl_deletes_it() -> None:
+    body, pods = settle(job(ttlSecondsAfterFinished=30))
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    done = plan_for(body, pods)
+    assert done.status.phase is Phase.SUCCEEDED and done.requeue_after == 30
+    assert set(done.delete_pods) == {p["metadata"]["name"] for p in pods}
+    body = {**body, "status": status_of(done)}
+    assert not plan_for(body, [], now=NOW + dt.timedelta(seconds=29)).delete_job
+    assert plan_for(body, [], now=NOW + dt.timedelta(seconds=30)).delete_job
+
+
+def test_condition_transition_time_is_kept_while_status_is_unchanged() -> None:
+    body, pods = settle(job())
+    later = plan_for(body, pods, now=NOW + dt.timedelta(hours=1))
+    ready = find(later.status.conditions, READY)
+    assert ready is not None and ready.last_transition_time == body["status"]["conditions"][1]["lastTransitionTime"]
+
+
+pod_states = st.sampled_from(["absent", "pending", "running", "failed", "succeeded", "drifted", "deleting"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    actors=st.integers(0, 4),
+    trainers=st.integers(1, 3),
+    states=st.lists(pod_states, min_size=7, max_size=7),
+    was_running=st.booleans(),
+    suspend=st.booleans(),
+)
+def test_plans_are_consistent_whatever_the_pods_look_like(
+    actors: int, trainers: int, states: list[str], was_running: bool, suspend: bool
+) -> None:
+    body = job(
+        actors={"image": "a", "replicas": actors},
+        trainer={"image": "t", "replicas": trainers},
+        suspend=suspend,
+        maxRestarts=2,
+    )
+    template = plan_for(job(actors={"image": "a", "replicas": 4}, trainer={"image": "t", "replicas": 3}))
+    pods = []
+    for pod, state in zip(template.create_pods, states, strict=True):
+        if state == "absent":
+            continue
+        phase = {"pending": "Pending", "failed": "Failed", "succeeded": "Succeeded"}.get(state, "Running")
+        observed = running(pod, phase=phase, ready=phase == "Running")
+        if state == "drifted":
+            observed["metadata"]["annotations"] = {**pod["metadata"]["annotations"], keys.CONFIG_FINGERPRINT: "x"}
+        if state == "deleting":
+            observed["metadata"] = {**pod["metadata"], "deletionTimestamp": "2026-11-29T11:00:00Z"}
+        pods.append(observed)
+    if was_running:
+        body["status"] = {"phase": "Running", "actors": {"desired": actors}, "trainer": {"desired": trainers}}
+    plan = plan_for(body, pods)
+
+    live = {p["metadata"]["name"] for p in pods if "deletionTimestamp" not in p["metadata"]}
+    created = [p["metadata"]["name"] for p in plan.create_pods]
+    assert not set(created) & live, "never create a pod that exists"
+    assert not set(created) & set(plan.delete_pods), "never create and delete the same pod"
+    assert set(plan.delete_pods) <= live, "only delete pods that exist"
+    assert plan.status.actors.ready <= plan.status.actors.desired
+    assert plan.status.trainer.ready <= plan.status.trainer.desired
+    if suspend or plan.status.phase in (Phase.SUCCEEDED, Phase.FAILED):
+        assert not created and set(plan.delete_pods) == live
+    if plan.status.phase is Phase.RUNNING and not (plan.delete_pods or created or plan.requeue_after):
+        assert condition(plan, READY) == ("True", "AllPodsReady")
+    ready = find(plan.status.conditions, READY)
+    assert ready is not None and ready.message, "every outcome explains itself"
