@@ -10,6 +10,8 @@ PR_SET_PDEATHSIG, so a killed test run leaves nothing behind.
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import signal
 import socket
 import ssl
@@ -19,7 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import urllib3
 import yaml
@@ -36,13 +38,22 @@ POD_CIDR = "10.244.0.0/16"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Admission plugins on top of the apiserver's defaults, as kubeadm clusters run them.
 EXTRA_ADMISSION_PLUGINS = "NodeRestriction"
+OPERATOR_USER = "lockstep-operator"
+# Every request's metadata (who, verb, URI with its selectors, response code) goes to audit.log.
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+- level: Metadata
+"""
 
 
 class ClusterError(RuntimeError):
     """The control plane could not be started; the message names the component and its log."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -61,13 +72,15 @@ class Component:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] | None = None
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
     def start(self) -> None:
-        self._log = self.log_path.open("wb")
+        self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             self.argv,
+            env=None if self.env is None else {**os.environ, **self.env},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -115,7 +128,7 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self.kubeconfig = self.workdir / "kubeconfig"
-        self.apiserver_port = _free_port()
+        self.apiserver_port = free_port()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -131,7 +144,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         try:
             credentials = self._write_credentials()
-            etcd_port = _free_port()
+            etcd_port = free_port()
             self._launch("etcd", self._etcd_args(etcd_port))
             self._wait("etcd to accept connections", deadline, lambda: _port_open(etcd_port))
             self._launch("kube-apiserver", self._apiserver_args(etcd_port, credentials))
@@ -214,10 +227,25 @@ class LocalCluster:
             "kube-scheduler": ca.issue("scheduler", "system:kube-scheduler"),
             # kwok plays every kubelet at once, so it cannot be one system:node identity.
             "kwok": ca.issue("kwok", "kwok", "system:masters"),
+            # The operator gets an identity of its own, so that the audit log tells its requests apart.
+            OPERATOR_USER: ca.issue("operator", OPERATOR_USER, "system:masters"),
         }
-        for user in ("admin", "kube-controller-manager", "kube-scheduler", "kwok"):
+        for user in ("admin", "kube-controller-manager", "kube-scheduler", "kwok", OPERATOR_USER):
             self._write_kubeconfig(self._kubeconfig_path(user), user, credentials["ca"], credentials[user])
         return credentials
+
+    @property
+    def operator_kubeconfig(self) -> Path:
+        """Credentials for the Lockstep operator (its own user name in the audit log)."""
+        return self._kubeconfig_path(OPERATOR_USER)
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "audit.log"
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """Every request the API server has answered so far (audit.k8s.io/v1 Events)."""
+        return [json.loads(line) for line in self.audit_log.read_text().splitlines() if line.strip()]
 
     def _kubeconfig_path(self, user: str) -> Path:
         return self.kubeconfig if user == "admin" else self.workdir / f"{user}.kubeconfig"
@@ -242,7 +270,7 @@ class LocalCluster:
         path.write_text(yaml.safe_dump(document))
 
     def _etcd_args(self, port: int) -> list[str]:
-        peer = f"http://127.0.0.1:{_free_port()}"
+        peer = f"http://127.0.0.1:{free_port()}"
         return [
             "--name=local",
             f"--data-dir={self.workdir / 'etcd'}",
@@ -273,11 +301,19 @@ class LocalCluster:
             f"--service-account-signing-key-file={sa.key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             f"--cert-dir={self.workdir / 'pki'}",
+            f"--audit-policy-file={self._write_audit_policy()}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
             # The apiserver refuses to publish a loopback address as the `kubernetes` Service's endpoint.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
             "--v=1",
         ]
+
+    def _write_audit_policy(self) -> Path:
+        path = self.workdir / "audit-policy.yaml"
+        path.write_text(AUDIT_POLICY)
+        return path
 
     def _component_kubeconfig_args(self, user: str) -> list[str]:
         path = self._kubeconfig_path(user)
@@ -292,7 +328,7 @@ class LocalCluster:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
-            f"--secure-port={_free_port()}",
+            f"--secure-port={free_port()}",
             "--profiling=false",
             "--v=1",
         ]
@@ -302,7 +338,7 @@ class LocalCluster:
             *self._component_kubeconfig_args("kube-scheduler"),
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
-            f"--secure-port={_free_port()}",
+            f"--secure-port={free_port()}",
             "--profiling=false",
             "--v=1",
         ]
@@ -343,7 +379,11 @@ class LocalCluster:
 
     def _nodes_ready(self) -> bool:
         nodes = client.CoreV1Api(self.api_client()).list_node().items
-        ready = [n for n in nodes if any(c.type == "Ready" and c.status == "True" for c in ((n.status and n.status.conditions) or []))]
+        ready = [
+            n
+            for n in nodes
+            if any(c.type == "Ready" and c.status == "True" for c in ((n.status and n.status.conditions) or []))
+        ]
         return len(ready) == self.nodes
 
     def _default_sa(self) -> bool:

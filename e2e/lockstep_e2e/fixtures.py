@@ -11,7 +11,8 @@ import psutil
 import pytest
 from kubernetes import client
 
-from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.cluster import Component, LocalCluster
+from lockstep_e2e.install import install, start_operator
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +53,18 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = 60.0, 
             return
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def lockstep(
+    cluster: LocalCluster, kube: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Component]:
+    """Lockstep installed (CRDs, admission policies, default ParityPolicy) and its operator running.
+
+    Restarts wait 1 s (doubling) instead of 10 s, so restart tests stay short.
+    """
+    install(kube)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    operator = start_operator(cluster.operator_kubeconfig, log, "--restart-backoff-seconds=1")
+    yield operator
+    operator.stop()

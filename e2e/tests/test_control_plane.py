@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
 from lockstep_e2e import build
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import wait_for

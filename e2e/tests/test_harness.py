@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from lockstep_e2e import build
 from lockstep_e2e.cluster import COMPONENTS, ClusterError, LocalCluster
 

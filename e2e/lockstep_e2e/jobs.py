@@ -1,0 +1,80 @@
+"""Small helpers to create and read RLJobs in end-to-end tests, benchmarks and the demo."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from kubernetes import client
+
+from lockstep import api
+
+POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
+
+
+def rljob(
+    name: str, *, actors: int = 2, trainers: int = 1, vllm: dict[str, Any] | None = None, **spec: Any
+) -> dict[str, Any]:
+    """A valid RLJob manifest; ``vllm`` sets spec.actors.vllm, other keyword arguments top-level spec fields."""
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": "RLJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": "/models/tiny-llama", "dtype": "float32"},
+            "actors": {"image": "lockstep/actor:dev", "replicas": actors, "vllm": vllm or {}},
+            "trainer": {"image": "lockstep/trainer:dev", "replicas": trainers},
+            **spec,
+        },
+    }
+
+
+def create_job(kube: client.ApiClient, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    return cast(
+        dict[str, Any],
+        client.CustomObjectsApi(kube).create_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.RLJOBS, body
+        ),
+    )
+
+
+def get_job(kube: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return cast(
+        dict[str, Any],
+        client.CustomObjectsApi(kube).get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.RLJOBS, name),
+    )
+
+
+def patch_job(kube: client.ApiClient, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    return cast(
+        dict[str, Any],
+        client.CustomObjectsApi(kube).patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.RLJOBS, name, patch
+        ),
+    )
+
+
+def condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
+    """The condition of that type, or {} (never by list position)."""
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == type_), {})
+
+
+def phase(job: dict[str, Any]) -> str | None:
+    value = (job.get("status") or {}).get("phase")
+    return None if value is None else str(value)
+
+
+def job_pods(kube: client.ApiClient, namespace: str, name: str) -> list[client.V1Pod]:
+    pods: list[client.V1Pod] = (
+        client.CoreV1Api(kube).list_namespaced_pod(namespace, label_selector=f"lockstep.dev/job={name}").items
+    )
+    return sorted(pods, key=lambda p: str(p.metadata.name))
+
+
+def events_for(kube: client.ApiClient, namespace: str, name: str) -> list[client.CoreV1Event]:
+    events: list[client.CoreV1Event] = (
+        client.CoreV1Api(kube)
+        .list_namespaced_event(namespace, field_selector=f"involvedObject.kind=RLJob,involvedObject.name={name}")
+        .items
+    )
+    return events
