@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export VLLM_TARGET_DEVICE := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test venv binaries lint typecheck pytest lock clean
+.PHONY: demo test venv binaries lint typecheck pytest bench-apply lock clean
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -39,6 +39,10 @@ typecheck: venv
 
 pytest: venv binaries
 	$(VENV)/bin/pytest
+
+# Benchmarks print and record numbers (out/benchmarks/); see docs/benchmarks.md.
+bench-apply: venv binaries
+	$(PY) -m lockstep_e2e.bench_apply
 
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv
