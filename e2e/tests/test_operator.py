@@ -6,6 +6,7 @@ import contextlib
 import json
 import subprocess
 import urllib.parse
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -184,43 +185,102 @@ def test_unknown_policy_is_a_condition_and_no_pods(kube: client.ApiClient, names
     assert any(e.reason == "PolicyNotFound" and e.type == "Warning" for e in events_for(kube, namespace, "orphan"))
 
 
-def test_policy_changes_and_deletion_while_jobs_use_it(kube: client.ApiClient, namespace: str) -> None:
+@pytest.fixture
+def policy_named(kube: client.ApiClient, namespace: str) -> Iterator[Callable[..., str]]:
+    """``policy_named(enforcement, **vllm)`` creates a ParityPolicy for this test and returns its name."""
     custom = client.CustomObjectsApi(kube)
-    name = f"pp-{namespace}"[:60]
-    policy = {
-        "apiVersion": "lockstep.dev/v1alpha1",
-        "kind": "ParityPolicy",
-        "metadata": {"name": name},
-        "spec": {"enforcement": "Enforce", "vllm": {"enablePrefixCaching": False}},
-    }
-    custom.create_cluster_custom_object(*POLICIES, policy)
-    try:
-        create_job(kube, namespace, rljob("user", parityPolicy=name, vllm={"seed": 7}))
-        wait_phase(kube, namespace, "user", "Running")
+    created: list[str] = []
 
-        # Tightened: the job's seed now conflicts; the job keeps no pods and says which key.
-        custom.patch_cluster_custom_object(*POLICIES, name, {"spec": {"vllm": {"seed": 1}}})
-        wait_for(lambda: not pod_names(kube, namespace, "user"), "the conflicting job's pods to be removed")
-        parity = condition(get_job(kube, namespace, "user"), "ParityLocked")
-        assert parity["reason"] == "ConflictsWithPolicy"
-        assert "spec.actors.vllm.seed=7 (locked to 1)" in parity["message"]
+    def create(enforcement: str, **vllm: Any) -> str:
+        name = f"{enforcement.lower()}-{namespace}"[:60]
+        body = {
+            "apiVersion": "lockstep.dev/v1alpha1",
+            "kind": "ParityPolicy",
+            "metadata": {"name": name},
+            "spec": {"enforcement": enforcement, "vllm": {"enablePrefixCaching": False, **vllm}},
+        }
+        custom.create_cluster_custom_object(*POLICIES, body)
+        created.append(name)
+        return name
 
-        # Loosened again: pods come back.
-        custom.patch_cluster_custom_object(*POLICIES, name, {"spec": {"vllm": {"seed": None}}})
-        wait_phase(kube, namespace, "user", "Running")
-
-        # Deleted: the pods keep running, the condition says why nothing new is created.
-        custom.delete_cluster_custom_object(*POLICIES, name)
-        wait_for(
-            lambda: condition(get_job(kube, namespace, "user"), "ParityLocked").get("reason") == "PolicyNotFound",
-            "PolicyNotFound after the policy was deleted",
-        )
-        message = condition(get_job(kube, namespace, "user"), "ParityLocked")["message"]
-        assert "the 3 existing pods keep running with the last applied configuration" in message
-        assert len(pod_names(kube, namespace, "user")) == 3
-    finally:
+    yield create
+    for name in created:
         with contextlib.suppress(ApiException):
             custom.delete_cluster_custom_object(*POLICIES, name)
+
+
+def test_warn_runs_the_locked_value_and_says_so(
+    kube: client.ApiClient, namespace: str, policy_named: Callable[..., str]
+) -> None:
+    policy = policy_named("Warn", seed=1)
+    create_job(kube, namespace, rljob("warned", actors=1, parityPolicy=policy, vllm={"seed": 7}))
+    job = wait_phase(kube, namespace, "warned", "Running")
+    parity = condition(job, "ParityLocked")
+    assert (parity["status"], parity["reason"]) == ("True", "LockedValuesApplied")
+    assert "spec.actors.vllm.seed=7 (locked to 1)" in parity["message"]
+    assert "--seed=1" in job_pods(kube, namespace, "warned")[0].spec.containers[0].args
+    warnings = [e for e in events_for(kube, namespace, "warned") if e.type == "Warning"]
+    assert any(e.reason == "LockedValuesApplied" and "seed=7" in e.message for e in warnings)
+
+
+def test_audit_only_records(kube: client.ApiClient, namespace: str, policy_named: Callable[..., str]) -> None:
+    policy = policy_named("Audit", seed=1)
+    create_job(kube, namespace, rljob("audited", actors=1, parityPolicy=policy, vllm={"seed": 7}))
+    job = wait_phase(kube, namespace, "audited", "Running")
+    parity = condition(job, "ParityLocked")
+    assert (parity["status"], parity["reason"]) == ("False", "AuditOnly")
+    assert "spec.actors.vllm.seed=7 (locked to 1)" in parity["message"]
+    assert "--seed=7" in job_pods(kube, namespace, "audited")[0].spec.containers[0].args
+
+
+def test_no_default_policy_is_a_condition_until_one_exists(kube: client.ApiClient, namespace: str) -> None:
+    custom = client.CustomObjectsApi(kube)
+    default = custom.get_cluster_custom_object(*POLICIES, "default")
+    custom.delete_cluster_custom_object(*POLICIES, "default")
+    try:
+        create_job(kube, namespace, rljob("homeless", actors=1))
+        wait_for(
+            lambda: condition(get_job(kube, namespace, "homeless"), "ParityLocked").get("reason") == "NoDefaultPolicy",
+            "the NoDefaultPolicy condition",
+        )
+        message = condition(get_job(kube, namespace, "homeless"), "ParityLocked")["message"]
+        assert message.startswith("spec.parityPolicy is not set and no ParityPolicy has spec.default: true")
+        assert not job_pods(kube, namespace, "homeless")
+    finally:
+        custom.create_cluster_custom_object(
+            *POLICIES, {key: default[key] for key in ("apiVersion", "kind", "spec")} | {"metadata": {"name": "default"}}
+        )
+    wait_phase(kube, namespace, "homeless", "Running")
+
+
+def test_policy_changes_and_deletion_while_jobs_use_it(
+    kube: client.ApiClient, namespace: str, policy_named: Callable[..., str]
+) -> None:
+    custom = client.CustomObjectsApi(kube)
+    name = policy_named("Enforce")
+    create_job(kube, namespace, rljob("user", parityPolicy=name, vllm={"seed": 7}))
+    wait_phase(kube, namespace, "user", "Running")
+
+    # Tightened: the job's seed now conflicts; the job keeps no pods and says which key.
+    custom.patch_cluster_custom_object(*POLICIES, name, {"spec": {"vllm": {"seed": 1}}})
+    wait_for(lambda: not pod_names(kube, namespace, "user"), "the conflicting job's pods to be removed")
+    parity = condition(get_job(kube, namespace, "user"), "ParityLocked")
+    assert parity["reason"] == "ConflictsWithPolicy"
+    assert "spec.actors.vllm.seed=7 (locked to 1)" in parity["message"]
+
+    # Loosened again: pods come back.
+    custom.patch_cluster_custom_object(*POLICIES, name, {"spec": {"vllm": {"seed": None}}})
+    wait_phase(kube, namespace, "user", "Running")
+
+    # Deleted: the pods keep running, the condition says why nothing new is created.
+    custom.delete_cluster_custom_object(*POLICIES, name)
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "user"), "ParityLocked").get("reason") == "PolicyNotFound",
+        "PolicyNotFound after the policy was deleted",
+    )
+    message = condition(get_job(kube, namespace, "user"), "ParityLocked")["message"]
+    assert "the 3 existing pods keep running with the last applied configuration" in message
+    assert len(pod_names(kube, namespace, "user")) == 3
 
 
 def test_scale_suspend_resume(kube: client.ApiClient, namespace: str) -> None:
@@ -253,7 +313,8 @@ def test_lost_pods_are_recreated_until_max_restarts(kube: client.ApiClient, name
     wait_for(lambda: condition(get_job(kube, namespace, "fragile"), "Ready").get("status") == "True", "Ready again")
     assert core.read_namespaced_pod("fragile-actor-1", namespace).metadata.uid != first_uid
 
-    core.delete_namespaced_pod("fragile-actor-0", namespace)
+    # The second loss is a pod that failed (kwok leaves a Failed pod as it is).
+    core.patch_namespaced_pod_status("fragile-actor-0", namespace, {"status": {"phase": "Failed"}})
     job = wait_phase(kube, namespace, "fragile", "Failed")
     ready = condition(job, "Ready")
     assert ready["reason"] == "RestartLimitExceeded"
