@@ -253,6 +253,92 @@ class RLJobSpec(Model):
     ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
 
 
+# -- the weight-update barrier (docs/barrier-protocol.md) -------------------------------
+
+PROTOCOL = 1
+"""Version of the barrier protocol; every annotation document carries it."""
+
+
+class BarrierPhase(StrEnum):
+    PAUSE = "Pause"
+    UPDATE = "Update"
+    RESUME = "Resume"
+
+
+class Weights(Model):
+    """Published weights: ``lockstep.dev/weights`` (trainer) and ``lockstep.dev/initial-weights`` (operator)."""
+
+    protocol: int = PROTOCOL
+    version: Annotated[int, Field(ge=1)]
+    uri: Annotated[str, Field(min_length=1)]
+    digest: Annotated[str, Field(min_length=1)]
+
+
+class Command(Model):
+    """``lockstep.dev/barrier``: what the operator asks a member pod to do."""
+
+    protocol: int = PROTOCOL
+    id: str
+    version: int
+    uri: str
+    digest: str
+    phase: BarrierPhase
+
+
+class Ack(Model):
+    """``lockstep.dev/barrier-ack``: what a pod says it has done."""
+
+    protocol: int = PROTOCOL
+    id: str | None = None
+    phase: str
+    loaded_version: int | None = None
+    digest: str | None = None
+    error: str | None = None
+
+
+class BarrierStatus(Model):
+    """The open barrier, as recorded in ``RLJob.status.barrier``."""
+
+    id: str
+    version: int
+    uri: str
+    digest: str
+    phase: BarrierPhase
+    members: dict[str, str] = Field(description="pod name → pod UID")
+    acked: list[str] = Field(default_factory=list, description="members that acked the current phase, in order")
+    started_at: str
+    phase_started_at: str
+    deadline: str = Field(description="when the current phase times out")
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    slowest: dict[str, str] = Field(default_factory=dict, description="phase → the last member to ack it")
+    evicted: list[str] = Field(default_factory=list)
+    reported: dict[str, str] = Field(default_factory=dict, description="pod → invalid ack already reported")
+
+    def weights(self) -> Weights:
+        return Weights(version=self.version, uri=self.uri, digest=self.digest)
+
+    def command(self) -> Command:
+        return Command(id=self.id, version=self.version, uri=self.uri, digest=self.digest, phase=self.phase)
+
+
+class BarrierOutcome(StrEnum):
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+
+
+class BarrierRecord(Model):
+    """One finished barrier, kept in ``RLJob.status.barrierHistory``."""
+
+    id: str
+    version: int
+    outcome: BarrierOutcome
+    seconds: float
+    phase_seconds: dict[str, float]
+    slowest_pod: str | None = None
+    members: int
+    evicted: list[str] = Field(default_factory=list)
+
+
 class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"
@@ -290,7 +376,11 @@ class RLJobStatus(Model):
     observed_generation: int | None = None
     actors: ReplicaStatus = Field(default_factory=ReplicaStatus)
     trainer: ReplicaStatus = Field(default_factory=ReplicaStatus)
-    weights_version: int | None = None
+    weights_version: int | None = Field(None, description="The version every member serves (last barrier).")
+    weights: Weights | None = Field(None, description="The committed weights; new pods start from them.")
+    lag: int | None = Field(None, description="Newest announced version minus the oldest version an actor serves.")
+    barrier: BarrierStatus | None = Field(None, description="The weight update in flight.")
+    barrier_history: list[BarrierRecord] = Field(default_factory=list, description="The most recent barriers.")
     config_fingerprint: str | None = None
     parity_policy: str | None = Field(None, description="The ParityPolicy that was applied.")
     restarts: int = 0

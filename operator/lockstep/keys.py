@@ -14,6 +14,11 @@ MANAGER = "lockstep-operator"
 # Annotations on pods.
 CONFIG_FINGERPRINT = f"{DOMAIN}/config-fingerprint"
 TEMPLATE_HASH = f"{DOMAIN}/template-hash"
+# The weight-update barrier (docs/barrier-protocol.md).
+WEIGHTS = f"{DOMAIN}/weights"  # on trainer rank 0, by the trainer
+INITIAL_WEIGHTS = f"{DOMAIN}/initial-weights"  # on new pods, by the operator
+BARRIER = f"{DOMAIN}/barrier"  # on member pods, by the operator only
+BARRIER_ACK = f"{DOMAIN}/barrier-ack"  # on member pods, by that pod only
 
 ACTOR = "actor"
 TRAINER = "trainer"

@@ -48,7 +48,7 @@ def create_tiny_llama(
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         tie_word_embeddings=False,
-        torch_dtype=dtype,
+        dtype=dtype,
     )
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,252 @@
+"""The weight-update barrier (docs/barrier-protocol.md): its documents and its state machine.
+
+``step`` is pure: given the barrier recorded in the RLJob's status, the newest announced weights,
+the member pods and their acks, it returns the barrier's next state and the command every member
+pod should carry. The operator calls it on every pass; a restarted operator simply calls it again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from lockstep.api import (
+    PROTOCOL,
+    Ack,
+    BarrierOutcome,
+    BarrierPhase,
+    BarrierRecord,
+    BarrierStatus,
+    Command,
+    TimeoutAction,
+    Weights,
+)
+
+HISTORY_LENGTH = 10
+ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
+NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member pod as the operator sees it now."""
+
+    name: str
+    uid: str
+    alive: bool
+    loaded_version: int | None
+    ack: str | None
+    """The raw ``lockstep.dev/barrier-ack`` annotation, if any."""
+
+
+@dataclass
+class Decision:
+    barrier: BarrierStatus | None
+    committed: Weights | None
+    commands: dict[str, Command] = field(default_factory=dict)
+    evict: list[str] = field(default_factory=list)
+    failed: str | None = None
+    record: BarrierRecord | None = None
+    notes: list[str] = field(default_factory=list)
+    """What happened, in words for Events."""
+
+
+def parse_ack(text: str | None) -> Ack | str | None:
+    """The ack, an explanation of why it is unusable, or None when there is none."""
+    if text is None:
+        return None
+    try:
+        ack = Ack.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as error:
+        return f"is not a valid ack document ({str(error).splitlines()[0]})"
+    if ack.protocol != PROTOCOL:
+        return f"speaks barrier protocol {ack.protocol}; this operator speaks {PROTOCOL}"
+    return ack
+
+
+def _time(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _stamp(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def step(
+    *,
+    job_uid: str,
+    barrier: BarrierStatus | None,
+    committed: Weights | None,
+    announced: Weights | None,
+    members: list[Member],
+    history: list[BarrierRecord],
+    now: dt.datetime,
+    timeout_seconds: float,
+    on_timeout: TimeoutAction,
+) -> Decision:
+    """Advance the barrier by what the member pods say; open one when weights are newer than committed."""
+    decision = Decision(barrier=barrier, committed=committed)
+    if decision.barrier is None:
+        decision.barrier = _maybe_open(job_uid, committed, announced, members, history, now, timeout_seconds)
+        if decision.barrier is None:
+            return decision
+        decision.notes.append(
+            f"opened barrier {decision.barrier.id} for weights version {decision.barrier.version} with "
+            f"{len(decision.barrier.members)} member(s)"
+        )
+    _advance(decision, members, now, timeout_seconds, on_timeout)
+    if decision.barrier is not None:
+        command = decision.barrier.command()
+        decision.commands = {name: command for name in decision.barrier.members}
+    return decision
+
+
+def _maybe_open(
+    job_uid: str,
+    committed: Weights | None,
+    announced: Weights | None,
+    members: list[Member],
+    history: list[BarrierRecord],
+    now: dt.datetime,
+    timeout_seconds: float,
+) -> BarrierStatus | None:
+    alive = [m for m in members if m.alive]
+    if announced is not None and (committed is None or announced.version > committed.version):
+        target, joining = announced, alive
+    elif committed is not None:
+        # Catch-up: pods that started before the last update reached them.
+        target = committed
+        joining = [m for m in alive if m.loaded_version is None or m.loaded_version < committed.version]
+    else:
+        return None
+    if not joining:
+        return None
+    attempt = 1 + sum(1 for record in history if record.version == target.version)
+    stamp = _stamp(now)
+    return BarrierStatus(
+        id=f"{job_uid}/{target.version}/{attempt}",
+        version=target.version,
+        uri=target.uri,
+        digest=target.digest,
+        phase=BarrierPhase.PAUSE,
+        members={m.name: m.uid for m in joining},
+        started_at=stamp,
+        phase_started_at=stamp,
+        deadline=_stamp(now + dt.timedelta(seconds=timeout_seconds)),
+    )
+
+
+def _advance(
+    decision: Decision, members: list[Member], now: dt.datetime, timeout_seconds: float, on_timeout: TimeoutAction
+) -> None:
+    barrier = decision.barrier
+    assert barrier is not None
+    seen = {m.name: m for m in members}
+    for name, uid in list(barrier.members.items()):
+        member = seen.get(name)
+        if member is None or not member.alive or member.uid != uid:
+            del barrier.members[name]
+            decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
+    while True:
+        errors = _collect_acks(decision, seen)
+        pending = [name for name in barrier.members if name not in barrier.acked]
+        if errors or (pending and now >= _time(barrier.deadline)):
+            stragglers = {name: errors.get(name, f"did not ack {barrier.phase.value} in time") for name in pending}
+            stragglers.update(errors)
+            if not _handle_stragglers(decision, stragglers, now, on_timeout):
+                return
+            continue
+        if pending:
+            return
+        if not _next_phase(decision, now, timeout_seconds):
+            return
+
+
+def _collect_acks(decision: Decision, seen: dict[str, Member]) -> dict[str, str]:
+    """Record valid acks for the current phase; return members whose ack reports an error."""
+    barrier = decision.barrier
+    assert barrier is not None
+    errors: dict[str, str] = {}
+    for name in barrier.members:
+        ack = parse_ack(seen[name].ack)
+        if isinstance(ack, str):
+            if barrier.reported.get(name) != ack:
+                barrier.reported[name] = ack
+                decision.notes.append(f"ignored the ack on {name}: it {ack}")
+            continue
+        if ack is None or ack.id != barrier.id:
+            continue  # none yet, or stale: from an earlier barrier
+        if ack.error:
+            errors[name] = f"reported an error: {ack.error}"
+        elif ack.phase == ACK_FOR[barrier.phase] and name not in barrier.acked:
+            barrier.acked.append(name)
+    return errors
+
+
+def _handle_stragglers(
+    decision: Decision, stragglers: dict[str, str], now: dt.datetime, on_timeout: TimeoutAction
+) -> bool:
+    """Fail the barrier, or evict the stragglers; True when the barrier goes on."""
+    barrier = decision.barrier
+    assert barrier is not None
+    what = "; ".join(f"{name} {why}" for name, why in sorted(stragglers.items()))
+    if on_timeout is TimeoutAction.FAIL_JOB:
+        decision.failed = (
+            f"weight update to version {barrier.version} failed in phase {barrier.phase.value}: {what} "
+            "(spec.weightSync.onTimeout: FailJob)"
+        )
+        decision.record = _record(barrier, BarrierOutcome.FAILED, now)
+        decision.barrier = None
+        return False
+    for name in stragglers:
+        barrier.members.pop(name, None)
+        barrier.evicted.append(name)
+        decision.evict.append(name)
+    decision.notes.append(f"evicted from barrier {barrier.id}: {what}; they rejoin on the newest weights")
+    return True
+
+
+def _next_phase(decision: Decision, now: dt.datetime, timeout_seconds: float) -> bool:
+    """Every member acked the current phase: move on, or close the barrier. True when it is still open."""
+    barrier = decision.barrier
+    assert barrier is not None
+    barrier.phase_seconds[barrier.phase.value] = round((now - _time(barrier.phase_started_at)).total_seconds(), 3)
+    if barrier.acked:
+        barrier.slowest[barrier.phase.value] = barrier.acked[-1]
+    following = NEXT_PHASE.get(barrier.phase)
+    if following is None:
+        decision.committed = barrier.weights()
+        decision.record = _record(barrier, BarrierOutcome.COMPLETED, now)
+        decision.notes.append(
+            f"weights version {barrier.version} live on {len(barrier.members)} member(s) after "
+            f"{decision.record.seconds:.2f} s"
+        )
+        decision.barrier = None
+        return False
+    barrier.phase = following
+    barrier.phase_started_at = _stamp(now)
+    barrier.deadline = _stamp(now + dt.timedelta(seconds=timeout_seconds))
+    barrier.acked = []
+    return True
+
+
+def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -> BarrierRecord:
+    slowest = max(barrier.slowest.items(), key=lambda item: barrier.phase_seconds.get(item[0], 0), default=None)
+    return BarrierRecord(
+        id=barrier.id,
+        version=barrier.version,
+        outcome=outcome,
+        seconds=round((now - _time(barrier.started_at)).total_seconds(), 3),
+        phase_seconds=barrier.phase_seconds,
+        slowest_pod=slowest[1] if slowest else None,
+        members=len(barrier.members),
+        evicted=barrier.evicted,
+    )
+
+
+def remember(history: list[BarrierRecord], record: BarrierRecord | None) -> list[BarrierRecord]:
+    """The history with ``record`` appended, keeping the newest HISTORY_LENGTH entries."""
+    return history if record is None else [*history, record][-HISTORY_LENGTH:]

@@ -1,0 +1,135 @@
+"""The barrier state machine, one situation at a time (the interleavings are in
+workers/tests/test_barrier_simulation.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from factories import NOW
+from lockstep.api import Ack, BarrierPhase, BarrierStatus, TimeoutAction, Weights
+from lockstep.barrier import Decision, Member, step
+
+V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1")
+V2 = Weights(version=2, uri="file:///w/v2", digest="sha256:2")
+
+
+def ack(barrier: BarrierStatus, phase: str, **extra: object) -> str:
+    return json.dumps(Ack(id=barrier.id, phase=phase, **extra).model_dump(mode="json", by_alias=True))  # type: ignore[arg-type]
+
+
+def members(acks: dict[str, str | None], loaded: int | None = None) -> list[Member]:
+    return [Member(name, f"uid-{name}", True, loaded, text) for name, text in acks.items()]
+
+
+def run(
+    barrier: BarrierStatus | None,
+    acks: dict[str, str | None],
+    *,
+    seconds: float = 0,
+    on_timeout: TimeoutAction = TimeoutAction.FAIL_JOB,
+    committed: Weights | None = None,
+    announced: Weights | None = V1,
+    loaded: int | None = None,
+) -> Decision:
+    return step(
+        job_uid="job",
+        barrier=barrier,
+        committed=committed,
+        announced=announced,
+        members=members(acks, loaded),
+        history=[],
+        now=NOW + dt.timedelta(seconds=seconds),
+        timeout_seconds=30,
+        on_timeout=on_timeout,
+    )
+
+
+def test_announced_weights_open_a_barrier_that_pauses_every_member() -> None:
+    decision = run(None, {"a": None, "b": None})
+    assert decision.barrier is not None and decision.barrier.id == "job/1/1"
+    assert {name: c.phase for name, c in decision.commands.items()} == {
+        "a": BarrierPhase.PAUSE,
+        "b": BarrierPhase.PAUSE,
+    }
+    assert run(None, {"a": None}, committed=V1, loaded=1).barrier is None, "nothing newer than committed: no barrier"
+
+
+def test_phases_advance_only_when_every_member_acked_and_history_names_the_slowest() -> None:
+    barrier = run(None, {"a": None, "b": None}).barrier
+    assert barrier is not None
+    half = run(barrier.model_copy(deep=True), {"a": ack(barrier, "Paused"), "b": None}, seconds=1)
+    assert half.barrier is not None and half.barrier.phase is BarrierPhase.PAUSE
+    both = run(half.barrier, {"a": ack(barrier, "Paused"), "b": ack(barrier, "Paused")}, seconds=2)
+    assert both.barrier is not None and both.barrier.phase is BarrierPhase.UPDATE
+    updated = run(both.barrier, {n: ack(barrier, "Updated", loaded_version=1) for n in "ab"}, seconds=3)
+    assert updated.barrier is not None and updated.barrier.phase is BarrierPhase.RESUME
+    assert updated.committed is None, "weights count as committed only once every member resumed"
+    done = run(updated.barrier, {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}, seconds=5)
+    assert done.barrier is None and done.committed == V1
+    assert done.record is not None
+    assert done.record.phase_seconds == {"Pause": 2.0, "Update": 1.0, "Resume": 2.0}
+    assert done.record.slowest_pod == "b" and done.record.seconds == 5.0
+
+
+def test_stale_and_unreadable_acks_are_ignored_and_reported_once() -> None:
+    barrier = run(None, {"a": None}).barrier
+    assert barrier is not None
+    stale = json.dumps({"protocol": 1, "id": "job/0/1", "phase": "Paused"})
+    assert run(barrier.model_copy(deep=True), {"a": stale}).barrier.phase is BarrierPhase.PAUSE  # type: ignore[union-attr]
+    first = run(barrier, {"a": "{oops"})
+    assert any("ignored the ack on a: it is not a valid ack document" in note for note in first.notes)
+    again = run(first.barrier, {"a": "{oops"})
+    assert not again.notes, "an invalid ack is reported once, not on every pass"
+
+
+def test_timeout_fails_the_job_naming_the_straggler() -> None:
+    barrier = run(None, {"a": None, "b": None}).barrier
+    assert barrier is not None
+    decision = run(barrier, {"a": ack(barrier, "Paused"), "b": None}, seconds=31)
+    assert decision.barrier is None and decision.record is not None and decision.record.outcome == "Failed"
+    assert decision.failed == (
+        "weight update to version 1 failed in phase Pause: b did not ack Pause in time "
+        "(spec.weightSync.onTimeout: FailJob)"
+    )
+
+
+def test_evict_straggler_goes_on_without_it() -> None:
+    barrier = run(None, {"a": None, "b": None}, on_timeout=TimeoutAction.EVICT_STRAGGLER).barrier
+    assert barrier is not None
+    decision = run(
+        barrier, {"a": ack(barrier, "Paused"), "b": None}, seconds=31, on_timeout=TimeoutAction.EVICT_STRAGGLER
+    )
+    assert decision.evict == ["b"] and decision.failed is None
+    assert decision.barrier is not None and decision.barrier.phase is BarrierPhase.UPDATE
+    assert list(decision.commands) == ["a"]
+
+
+def test_an_error_ack_is_a_straggler_at_once() -> None:
+    barrier = run(None, {"a": None}).barrier
+    assert barrier is not None
+    paused = run(barrier, {"a": ack(barrier, "Paused")}).barrier
+    assert paused is not None
+    decision = run(paused, {"a": ack(paused, "Updated", error="OSError: digest mismatch")})
+    assert decision.failed is not None and "a reported an error: OSError: digest mismatch" in decision.failed
+
+
+def test_a_replaced_member_leaves_and_a_lagging_pod_catches_up() -> None:
+    barrier = run(None, {"a": None, "b": None}).barrier
+    assert barrier is not None
+    replaced = [Member("a", "uid-a", True, None, ack(barrier, "Paused")), Member("b", "uid-new", True, None, None)]
+    decision = step(
+        job_uid="job",
+        barrier=barrier,
+        committed=None,
+        announced=V1,
+        members=replaced,
+        history=[],
+        now=NOW,
+        timeout_seconds=30,
+        on_timeout=TimeoutAction.FAIL_JOB,
+    )
+    assert decision.barrier is not None and list(decision.barrier.members) == ["a"]
+    catch_up = run(None, {"late": None}, committed=V2, announced=V2, loaded=1)
+    assert catch_up.barrier is not None and catch_up.barrier.version == 2
+    assert list(catch_up.barrier.members) == ["late"]

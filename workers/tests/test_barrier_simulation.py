@@ -1,0 +1,231 @@
+"""The barrier state machine and the agents, run together under arbitrary interleavings.
+
+Hypothesis drives a small world: actors with agents, an operator that records the barrier in a
+JSON status (so every step is also an operator restart), a trainer announcing versions, and chaos:
+duplicate and stale and garbage acks, pods deleted or replaced, loads that fail, agents that go
+silent, and time passing beyond deadlines. Whatever happens, the world ends with every surviving
+actor resumed on the newest weights, or the job failed with a reason; never an actor left paused.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lockstep.api import Ack, BarrierPhase, BarrierRecord, BarrierStatus, Command, TimeoutAction, Weights
+from lockstep.barrier import ACK_FOR, Member, parse_ack, remember, step
+from lockstep_workers.agent import AgentCore, ack_annotation
+
+START = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
+TIMEOUT = 30.0
+
+
+def weights(version: int) -> Weights:
+    return Weights(version=version, uri=f"file:///weights/v{version}", digest=f"sha256:{version:064x}")
+
+
+@dataclass
+class FakeEngine:
+    """Records what the agent asked of it; can be told to fail the next load."""
+
+    calls: list[str] = field(default_factory=list)
+    fail_next_load: bool = False
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def load(self, target: Weights) -> None:
+        if self.fail_next_load:
+            self.fail_next_load = False
+            raise OSError(f"digest mismatch for {target.uri}")
+        self.calls.append(f"load {target.version}")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+
+@dataclass
+class Pod:
+    name: str
+    uid: str
+    agent: AgentCore
+    engine: FakeEngine
+    initial: int | None
+    command: str | None = None
+    ack: str | None = None
+    silent: bool = False
+
+
+@dataclass
+class World:
+    on_timeout: TimeoutAction
+    now: dt.datetime = START
+    pods: dict[str, Pod] = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
+    announced: Weights | None = None
+    failed: str | None = None
+    uids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def committed(self) -> Weights | None:
+        value = self.status.get("committed")
+        return Weights.model_validate(value) if value else None
+
+    def add_pod(self, name: str) -> None:
+        engine = FakeEngine()
+        agent = AgentCore(engine)
+        committed = self.committed()
+        agent.start(committed)
+        self.pods[name] = Pod(name, f"uid-{next(self.uids)}", agent, engine, committed.version if committed else None)
+
+    def deliver(self, pod: Pod) -> None:
+        """The agent sees the command on its pod and writes its ack."""
+        if pod.command is None or pod.silent:
+            return
+        pod.ack = ack_annotation(pod.agent.handle(Command.model_validate(json.loads(pod.command))))
+
+    def member(self, pod: Pod) -> Member:
+        ack = parse_ack(pod.ack)
+        loaded = ack.loaded_version if isinstance(ack, Ack) and ack.loaded_version else pod.initial
+        return Member(pod.name, pod.uid, alive=True, loaded_version=loaded, ack=pod.ack)
+
+    def operate(self) -> None:
+        """One operator pass; the status goes through JSON, as it does through the API server."""
+        if self.failed:
+            return
+        status = json.loads(json.dumps(self.status))
+        barrier = BarrierStatus.model_validate(status["barrier"]) if status.get("barrier") else None
+        history = [BarrierRecord.model_validate(r) for r in status.get("history", [])]
+        decision = step(
+            job_uid="job",
+            barrier=barrier,
+            committed=self.committed(),
+            announced=self.announced,
+            members=[self.member(p) for p in self.pods.values()],
+            history=history,
+            now=self.now,
+            timeout_seconds=TIMEOUT,
+            on_timeout=self.on_timeout,
+        )
+        self.status = {
+            "barrier": decision.barrier.model_dump(mode="json") if decision.barrier else None,
+            "committed": decision.committed.model_dump(mode="json") if decision.committed else None,
+            "history": [r.model_dump(mode="json") for r in remember(history, decision.record)],
+        }
+        for name, command in decision.commands.items():
+            self.pods[name].command = json.dumps(command.model_dump(mode="json"))
+        for name in decision.evict:  # the operator deletes stragglers; their replacements start fresh
+            del self.pods[name]
+            self.add_pod(name)
+        if decision.failed:
+            self.failed = decision.failed
+
+
+actions = st.one_of(
+    st.tuples(st.just("announce")),
+    st.tuples(st.just("operate")),
+    st.tuples(
+        st.sampled_from(["deliver", "redeliver", "stale", "garbage", "replace", "delete", "fail", "silence"]),
+        st.integers(0, 3),
+    ),
+    st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 31.0])),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    actors=st.integers(1, 4),
+    script=st.lists(actions, max_size=60),
+    on_timeout=st.sampled_from(list(TimeoutAction)),
+)
+def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
+    actors: int, script: list[tuple[Any, ...]], on_timeout: TimeoutAction
+) -> None:
+    world = World(on_timeout)
+    for index in range(actors):
+        world.add_pod(f"actor-{index}")
+    version = 0
+    for action, *args in script:
+        pod = world.pods.get(f"actor-{args[0] % actors}") if args and action != "tick" else None
+        if action == "announce":
+            version += 1
+            world.announced = weights(version)
+        elif action == "operate":
+            world.operate()
+        elif action == "tick":
+            world.now += dt.timedelta(seconds=args[0])
+        elif pod is None:
+            if action == "replace":  # a deleted pod comes back (the operator recreates it)
+                world.add_pod(f"actor-{args[0] % actors}")
+        elif action in ("deliver", "redeliver"):
+            world.deliver(pod)
+        elif action == "stale":
+            pod.ack = ack_annotation(Ack(id="job/0/1", phase="Resumed", loaded_version=0))
+        elif action == "garbage":
+            pod.ack = "{not json"
+        elif action == "replace":
+            del world.pods[pod.name]
+            world.add_pod(pod.name)
+        elif action == "delete":
+            del world.pods[pod.name]
+        elif action == "fail":
+            pod.engine.fail_next_load = True
+        elif action == "silence":
+            pod.silent = True
+
+    # Drain: pods come back, the silent ones stay silent; time passes; everyone answers.
+    for index in range(actors):
+        if f"actor-{index}" not in world.pods:
+            world.add_pod(f"actor-{index}")
+    for _ in range(60):
+        world.operate()
+        for pod in list(world.pods.values()):
+            world.deliver(pod)
+        world.now += dt.timedelta(seconds=TIMEOUT / 2)
+
+    if world.failed:
+        assert "weight update to version" in world.failed
+        return
+    assert world.status.get("barrier") is None, "the barrier must close"
+    newest = world.announced.version if world.announced else None
+    committed = world.committed()
+    assert (committed.version if committed else None) == newest
+    for pod in world.pods.values():
+        assert not pod.agent.paused, f"{pod.name} was left paused"
+        loaded = pod.agent.loaded.version if pod.agent.loaded else None
+        assert loaded == newest, f"{pod.name} serves version {loaded}, not {newest}"
+        assert_ordered(pod)
+
+
+def assert_ordered(pod: Pod) -> None:
+    """Per barrier the engine saw pause, then at most one load, then resume; a load while serving happens only
+    at start, before the pod is ready."""
+    paused = False
+    loads_since_pause = 0
+    for position, call in enumerate(pod.engine.calls):
+        if call == "pause":
+            assert not paused, f"{pod.name} paused twice: {pod.engine.calls}"
+            paused, loads_since_pause = True, 0
+        elif call == "resume":
+            assert paused, f"{pod.name} resumed without a pause: {pod.engine.calls}"
+            paused = False
+        else:
+            assert paused or position == 0, f"{pod.name} loaded while serving: {pod.engine.calls}"
+            loads_since_pause += 1
+            assert loads_since_pause <= 1, f"{pod.name} loaded twice in one barrier: {pod.engine.calls}"
+
+
+def test_a_redelivered_command_is_acked_again_but_not_repeated() -> None:
+    engine = FakeEngine()
+    agent = AgentCore(engine)
+    for phase in BarrierPhase:
+        command = Command(id="job/1/1", version=1, uri="u", digest="d", phase=phase)
+        first = agent.handle(command)
+        assert agent.handle(command) == first
+        assert first.phase == ACK_FOR[phase]
+    assert engine.calls == ["pause", "load 1", "resume"]
