@@ -10,9 +10,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
+from lockstep import keys
 from lockstep.api import (
     PROTOCOL,
     Ack,
@@ -54,6 +56,36 @@ class Decision:
     """What happened, in words for Events."""
 
 
+def document(value: Weights | Command | Ack) -> str:
+    """The annotation text of a protocol document."""
+    return json.dumps(value.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+
+
+def _annotations(pod: dict[str, Any]) -> dict[str, str]:
+    return pod["metadata"].get("annotations") or {}
+
+
+def announced_by(trainer: dict[str, Any]) -> Weights | str | None:
+    """The weights the trainer announced on its pod, an explanation of why they are unreadable, or None."""
+    text = _annotations(trainer).get(keys.WEIGHTS)
+    if text is None:
+        return None
+    try:
+        return Weights.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as error:
+        return f"is not a valid weights document ({str(error).splitlines()[0]})"
+
+
+def member_of(pod: dict[str, Any]) -> Member:
+    """How the barrier sees a running pod: its ack, and the newest version it loaded (ack or initial weights)."""
+    annotations = _annotations(pod)
+    ack = parse_ack(annotations.get(keys.BARRIER_ACK))
+    loaded = ack.loaded_version if isinstance(ack, Ack) else None
+    if loaded is None and keys.INITIAL_WEIGHTS in annotations:
+        loaded = json.loads(annotations[keys.INITIAL_WEIGHTS]).get("version")
+    return Member(pod["metadata"]["name"], pod["metadata"]["uid"], True, loaded, annotations.get(keys.BARRIER_ACK))
+
+
 def parse_ack(text: str | None) -> Ack | str | None:
     """The ack, an explanation of why it is unusable, or None when there is none."""
     if text is None:
@@ -67,7 +99,7 @@ def parse_ack(text: str | None) -> Ack | str | None:
     return ack
 
 
-def _time(text: str) -> dt.datetime:
+def parse_time(text: str) -> dt.datetime:
     return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
@@ -153,7 +185,7 @@ def _advance(
     while True:
         errors = _collect_acks(decision, seen)
         pending = [name for name in barrier.members if name not in barrier.acked]
-        if errors or (pending and now >= _time(barrier.deadline)):
+        if errors or (pending and now >= parse_time(barrier.deadline)):
             stragglers = {name: errors.get(name, f"did not ack {barrier.phase.value} in time") for name in pending}
             stragglers.update(errors)
             if not _handle_stragglers(decision, stragglers, now, on_timeout):
@@ -213,7 +245,7 @@ def _next_phase(decision: Decision, now: dt.datetime, timeout_seconds: float) ->
     """Every member acked the current phase: move on, or close the barrier. True when it is still open."""
     barrier = decision.barrier
     assert barrier is not None
-    barrier.phase_seconds[barrier.phase.value] = round((now - _time(barrier.phase_started_at)).total_seconds(), 3)
+    barrier.phase_seconds[barrier.phase.value] = round((now - parse_time(barrier.phase_started_at)).total_seconds(), 3)
     if barrier.acked:
         barrier.slowest[barrier.phase.value] = barrier.acked[-1]
     following = NEXT_PHASE.get(barrier.phase)
@@ -239,7 +271,7 @@ def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -
         id=barrier.id,
         version=barrier.version,
         outcome=outcome,
-        seconds=round((now - _time(barrier.started_at)).total_seconds(), 3),
+        seconds=round((now - parse_time(barrier.started_at)).total_seconds(), 3),
         phase_seconds=barrier.phase_seconds,
         slowest_pod=slowest[1] if slowest else None,
         members=len(barrier.members),

@@ -113,6 +113,8 @@ class Shell:
         for pod_name, why in plan.delete_pods.items():
             logger.info("deleting pod %s/%s: %s", namespace, pod_name, why)
             _ignore(404, self.core.delete_namespaced_pod, pod_name, namespace)
+        for pod_name, values in plan.annotate_pods.items():
+            _ignore(404, self.core.patch_namespaced_pod, pod_name, namespace, {"metadata": {"annotations": values}})
         for pod in plan.create_pods:
             _ignore(409, self.core.create_namespaced_pod, namespace, pod)
         new_status = plan.status.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -12,8 +12,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lockstep import desired, keys
-from lockstep.api import Enforcement, ParityPolicy, Phase, ReplicaStatus, RLJobSpec, RLJobStatus
+from lockstep import barrier, desired, keys
+from lockstep.api import (
+    Enforcement,
+    ParityPolicy,
+    Phase,
+    ReplicaStatus,
+    RLJobSpec,
+    RLJobStatus,
+    WeightSyncBackend,
+)
 from lockstep.conditions import PARITY_LOCKED, READY, find, set_condition
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
 
@@ -56,6 +64,7 @@ class Plan:
     status: RLJobStatus
     children: list[dict[str, Any]] = field(default_factory=list)
     delete_pods: dict[str, str] = field(default_factory=dict)  # pod name → why
+    annotate_pods: dict[str, dict[str, str]] = field(default_factory=dict)  # pod name → annotations to set
     create_pods: list[dict[str, Any]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
@@ -216,10 +225,12 @@ class _Reconciler:
         replaced = [name for name in wanted if name in self.plan.delete_pods]
         wait = self.backoff_remaining()
         if wait <= 0:
-            self.plan.create_pods = missing
+            self.plan.create_pods = [self.with_initial_weights(pod) for pod in missing]
         elif missing or replaced:
             self.plan.requeue_after = wait
         live = {name: pod for name, pod in self.pods.items() if name not in self.plan.delete_pods and name in wanted}
+        if self.run_barrier(spec, live):
+            return
         self.count(spec, live)
         if self.status.actors.ready == spec.actors.replicas and self.status.trainer.ready == spec.trainer.replicas:
             self.status.phase = Phase.RUNNING
@@ -230,6 +241,61 @@ class _Reconciler:
             ready = find(self.status.conditions, READY)
             if ready is None or ready.reason != "Restarting" or wait <= 0:
                 self.condition(READY, False, "PodsNotReady", self.readiness_message())
+
+    def with_initial_weights(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """A new pod starts from the committed weights (it joins a catch-up barrier if newer ones are in flight)."""
+        if self.status.weights is not None:
+            pod["metadata"]["annotations"][keys.INITIAL_WEIGHTS] = barrier.document(self.status.weights)
+        return pod
+
+    def run_barrier(self, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> bool:
+        """Advance the weight-update barrier; True when it failed the job."""
+        roles = (keys.ACTOR, keys.TRAINER) if spec.weight_sync.backend is WeightSyncBackend.NCCL else (keys.ACTOR,)
+        members = [
+            barrier.member_of(pod)
+            for pod in live.values()
+            if pod["metadata"]["labels"].get(keys.ROLE) in roles and pod_phase(pod) == "Running"
+        ]
+        rank0 = live.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
+        announced = barrier.announced_by(rank0) if rank0 is not None else None
+        if isinstance(announced, str):
+            self.event("InvalidWeightsAnnouncement", f"{keys.WEIGHTS} on the trainer {announced}", warning=True)
+            announced = None
+        decision = barrier.step(
+            job_uid=self.job.uid,
+            barrier=self.status.barrier,
+            committed=self.status.weights,
+            announced=announced,
+            members=members,
+            history=self.status.barrier_history,
+            now=self.observed.now,
+            timeout_seconds=spec.weight_sync.barrier_timeout_seconds,
+            on_timeout=spec.weight_sync.on_timeout,
+        )
+        self.status.barrier = decision.barrier
+        self.status.weights = decision.committed
+        self.status.weights_version = decision.committed.version if decision.committed else None
+        self.status.barrier_history = barrier.remember(self.status.barrier_history, decision.record)
+        actors = [m.loaded_version or 0 for m in members if m.name.startswith(f"{self.job.name}-{keys.ACTOR}-")]
+        self.status.lag = announced.version - min(actors) if announced is not None and actors else None
+        for note in decision.notes:
+            self.event("WeightUpdate", note)
+        for name, command in decision.commands.items():
+            text = barrier.document(command)
+            if _annotation(live[name], keys.BARRIER) != text:
+                self.plan.annotate_pods[name] = {keys.BARRIER: text}
+        for name in decision.evict:
+            self.plan.delete_pods[name] = "it was evicted from the weight update as a straggler"
+        if decision.failed:
+            self.finish_job(spec, Phase.FAILED, "WeightUpdateFailed", decision.failed)
+            return True
+        if decision.barrier is not None and decision.commands:
+            deadline = barrier.parse_time(decision.barrier.deadline)
+            self.requeue((deadline - self.observed.now).total_seconds() + 0.5)
+        return False
+
+    def requeue(self, seconds: float) -> None:
+        self.plan.requeue_after = seconds if self.plan.requeue_after is None else min(self.plan.requeue_after, seconds)
 
     def handle_losses(self, spec: RLJobSpec, wanted: dict[str, dict[str, Any]]) -> bool:
         """Count failed or vanished pods as one restart; return True when the job failed for good."""

@@ -38,5 +38,6 @@ def running(pod: dict[str, Any], phase: str = "Running", ready: bool = True) -> 
     """The pod as the API server returns it once kwok ran it."""
     return {
         **pod,
+        "metadata": {**pod["metadata"], "uid": f"uid-{pod['metadata']['name']}"},
         "status": {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 from hypothesis import given, settings
@@ -232,3 +233,32 @@ def test_plans_are_consistent_whatever_the_pods_look_like(
         assert condition(plan, READY) == ("True", "AllPodsReady")
     ready = find(plan.status.conditions, READY)
     assert ready is not None and ready.message, "every outcome explains itself"
+
+
+def test_announced_weights_run_a_barrier_to_the_new_version() -> None:
+    body, pods = settle(job())
+    trainer = pods[2]
+    trainer["metadata"]["annotations"][keys.WEIGHTS] = json.dumps(
+        {"protocol": 1, "version": 3, "uri": "file:///w/v3", "digest": "sha256:3"}
+    )
+    now = NOW
+    for expected_phase, ack_phase in (("Pause", "Paused"), ("Update", "Updated"), ("Resume", "Resumed")):
+        plan = plan_for(body, pods, now=now)
+        assert set(plan.annotate_pods) == {"demo-actor-0", "demo-actor-1"}, "commands go to the actors only"
+        for pod in pods[:2]:
+            command = json.loads(plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER])
+            assert command["phase"] == expected_phase and command["version"] == 3
+            pod["metadata"]["annotations"][keys.BARRIER] = plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER]
+            ack = {"protocol": 1, "id": command["id"], "phase": ack_phase, "loadedVersion": 3}
+            pod["metadata"]["annotations"][keys.BARRIER_ACK] = json.dumps(ack)
+        body = {**body, "status": status_of(plan)}
+        now += dt.timedelta(seconds=1)
+    done = plan_for(body, pods, now=now)
+    assert done.status.barrier is None and done.status.weights_version == 3 and done.status.lag == 0
+    assert [r.version for r in done.status.barrier_history] == [3]
+    assert any(e.reason == "WeightUpdate" and "version 3 live on 2 member(s)" in e.message for e in done.events)
+
+    body = {**body, "status": status_of(done)}
+    grown = plan_for({**body, "spec": {**body["spec"], "actors": {"image": "lockstep/actor:dev", "replicas": 3}}}, pods)
+    created = grown.create_pods[0]["metadata"]["annotations"][keys.INITIAL_WEIGHTS]
+    assert json.loads(created)["version"] == 3, "a new pod starts from the committed weights"

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kubernetes import client, watch
+
 from lockstep import keys
 from lockstep.api import Ack, BarrierPhase, Command, Weights
-from lockstep.barrier import ACK_FOR
+from lockstep.barrier import ACK_FOR, document
 
 logger = logging.getLogger("lockstep.agent")
 
@@ -81,10 +84,6 @@ class AgentCore:
             self.paused = True
 
 
-def ack_annotation(ack: Ack) -> str:
-    return json.dumps(ack.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
-
-
 def command_from(annotations: dict[str, Any]) -> Command | None:
     """The command on a pod, or None when there is none or it cannot be read (logged)."""
     text = annotations.get(keys.BARRIER)
@@ -95,3 +94,44 @@ def command_from(annotations: dict[str, Any]) -> Command | None:
     except ValueError as error:
         logger.error("ignoring an unreadable barrier command %r: %s", text, error)
         return None
+
+
+class PodAgent:
+    """The agent's shell: watches only its own pod and writes only its own ack annotation."""
+
+    def __init__(self, core: AgentCore, api: client.CoreV1Api, namespace: str, pod: str) -> None:
+        self.core = core
+        self.api = api
+        self.namespace = namespace
+        self.pod = pod
+
+    def start(self) -> None:
+        """Load the pod's initial weights (set by the operator) before the pod reports ready."""
+        metadata = self.api.read_namespaced_pod(self.pod, self.namespace).metadata
+        text = ((metadata and metadata.annotations) or {}).get(keys.INITIAL_WEIGHTS)
+        self.core.start(Weights.model_validate(json.loads(text)) if text else None)
+
+    def run(self, stop: threading.Event, watch_seconds: int = 30) -> None:
+        """Act on every command written on this pod until ``stop`` is set."""
+        while not stop.is_set():
+            stream = watch.Watch()
+            for event in stream.stream(
+                self.api.list_namespaced_pod,
+                self.namespace,
+                field_selector=f"metadata.name={self.pod}",
+                timeout_seconds=watch_seconds,
+            ):
+                if stop.is_set():
+                    stream.stop()
+                    break
+                self.on_pod(event["object"].metadata.annotations or {})
+
+    def on_pod(self, annotations: dict[str, str]) -> None:
+        command = command_from(annotations)
+        if command is None:
+            return
+        text = document(self.core.handle(command))
+        if annotations.get(keys.BARRIER_ACK) != text:
+            self.api.patch_namespaced_pod(
+                self.pod, self.namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: text}}}
+            )

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockstep.api import Ack, BarrierPhase, BarrierRecord, BarrierStatus, Command, TimeoutAction, Weights
-from lockstep.barrier import ACK_FOR, Member, parse_ack, remember, step
-from lockstep_workers.agent import AgentCore, ack_annotation
+from lockstep.barrier import ACK_FOR, Member, document, parse_ack, remember, step
+from lockstep_workers.agent import AgentCore
 
 START = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
 TIMEOUT = 30.0
@@ -87,7 +87,7 @@ class World:
         """The agent sees the command on its pod and writes its ack."""
         if pod.command is None or pod.silent:
             return
-        pod.ack = ack_annotation(pod.agent.handle(Command.model_validate(json.loads(pod.command))))
+        pod.ack = document(pod.agent.handle(Command.model_validate(json.loads(pod.command))))
 
     def member(self, pod: Pod) -> Member:
         ack = parse_ack(pod.ack)
@@ -165,7 +165,7 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
         elif action in ("deliver", "redeliver"):
             world.deliver(pod)
         elif action == "stale":
-            pod.ack = ack_annotation(Ack(id="job/0/1", phase="Resumed", loaded_version=0))
+            pod.ack = document(Ack(id="job/0/1", phase="Resumed", loaded_version=0))
         elif action == "garbage":
             pod.ack = "{not json"
         elif action == "replace":

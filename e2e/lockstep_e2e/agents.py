@@ -1,0 +1,59 @@
+"""Barrier agents for end-to-end tests and benchmarks: the real PodAgent on a recording engine,
+one thread per pod, writing real acks on the real API server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from kubernetes import client
+
+from lockstep.api import Weights
+from lockstep_workers.agent import AgentCore, PodAgent
+
+
+@dataclass
+class RecordingEngine:
+    """Records what the agent asked of it; ``hold`` blocks loads until it is set (a slow actor)."""
+
+    calls: list[str] = field(default_factory=list)
+    hold: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def load(self, weights: Weights) -> None:
+        self.hold.wait()
+        self.calls.append(f"load {weights.version}")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
+
+
+@contextmanager
+def running_agents(api: client.ApiClient, namespace: str, pods: list[str]) -> Iterator[dict[str, RecordingEngine]]:
+    """An agent thread per pod for the duration of the block; yields each pod's engine."""
+    stop = threading.Event()
+    engines = {pod: RecordingEngine() for pod in pods}
+    threads = []
+    for pod, engine in engines.items():
+        agent = PodAgent(AgentCore(engine), client.CoreV1Api(api), namespace, pod)
+        agent.start()
+        thread = threading.Thread(target=agent.run, args=(stop, 2), name=f"agent-{pod}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    try:
+        yield engines
+    finally:
+        stop.set()
+        for engine in engines.values():
+            engine.hold.set()
+        for thread in threads:
+            thread.join(timeout=10)
