@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from kubernetes import client
@@ -74,3 +75,70 @@ def test_operator_killed_mid_barrier_resumes_it_after_restart(
         wait_for(lambda: weights_version(kube, namespace, "crashy") == 1, "the restarted operator to finish it")
     for engine in engines.values():
         assert engine.calls == ["pause", "load 1", "resume"]
+
+
+def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    actors = running(kube, namespace, "shrink", 2)
+    core = client.CoreV1Api(kube)
+    with running_agents(kube, namespace, actors[:1]):
+        announce(kube, namespace, "shrink", 1)
+        wait_for(lambda: get_job(kube, namespace, "shrink")["status"].get("barrier"), "the barrier to open")
+        core.delete_namespaced_pod(actors[1], namespace)  # it never acked; now it is gone
+        wait_for(lambda: weights_version(kube, namespace, "shrink") == 1, "the barrier to finish without it")
+
+        def replaced() -> bool:
+            pods = core.list_namespaced_pod(namespace, field_selector=f"metadata.name={actors[1]}").items
+            return bool(pods) and pods[0].status.phase == "Running"
+
+        wait_for(replaced, "the deleted actor to be recreated", timeout=90)
+        initial = core.read_namespaced_pod(actors[1], namespace).metadata.annotations[keys.INITIAL_WEIGHTS]
+        assert json.loads(initial)["version"] == 1, "the replacement starts from the committed weights"
+        with running_agents(kube, namespace, actors[1:]) as late:
+            wait_for(lambda: late[actors[1]].calls == ["load 1"], "the replacement to load version 1 at start")
+    history = get_job(kube, namespace, "shrink")["status"]["barrierHistory"]
+    assert [(r["version"], r["members"], r["outcome"]) for r in history] == [(1, 1, "Completed")]
+
+
+def test_a_silent_actor_fails_the_job_on_timeout(kube: client.ApiClient, namespace: str) -> None:
+    body = rljob("stuck", actors=2, weightSync={"barrierTimeoutSeconds": 3, "onTimeout": "FailJob"})
+    create_job(kube, namespace, body)
+    wait_for(lambda: phase(get_job(kube, namespace, "stuck")) == "Running", "RLJob stuck to run")
+    with running_agents(kube, namespace, ["stuck-actor-0"]):  # stuck-actor-1 never answers
+        announce(kube, namespace, "stuck", 1)
+        wait_for(lambda: phase(get_job(kube, namespace, "stuck")) == "Failed", "the job to fail", timeout=60)
+    ready = next(c for c in get_job(kube, namespace, "stuck")["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "WeightUpdateFailed"
+    assert "stuck-actor-1 did not ack Pause in time (spec.weightSync.onTimeout: FailJob)" in ready["message"]
+
+
+def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient, namespace: str) -> None:
+    body = rljob("evict", actors=2, weightSync={"barrierTimeoutSeconds": 3, "onTimeout": "EvictStraggler"})
+    create_job(kube, namespace, body)
+    wait_for(lambda: phase(get_job(kube, namespace, "evict")) == "Running", "RLJob evict to run")
+    with running_agents(kube, namespace, ["evict-actor-0"]) as engines:
+        announce(kube, namespace, "evict", 1)
+        wait_for(lambda: weights_version(kube, namespace, "evict") == 1, "the update without the straggler", 60)
+    assert engines["evict-actor-0"].calls == ["pause", "load 1", "resume"]
+    record = get_job(kube, namespace, "evict")["status"]["barrierHistory"][-1]
+    assert record["evicted"] == ["evict-actor-1"] and record["outcome"] == "Completed"
+    assert any("evicted from barrier" in e.message for e in events_for(kube, namespace, "evict"))
+
+
+def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace: str) -> None:
+    actors = running(kube, namespace, "noisy", 1)
+    core = client.CoreV1Api(kube)
+    announce(kube, namespace, "noisy", 1)
+    wait_for(lambda: get_job(kube, namespace, "noisy")["status"].get("barrier"), "the barrier to open")
+    core.patch_namespaced_pod(actors[0], namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: "{not json"}}})
+    wait_for(
+        lambda: any("ignored the ack on noisy-actor-0" in e.message for e in events_for(kube, namespace, "noisy")),
+        "an Event about the unreadable ack",
+    )
+    stale = json.dumps({"protocol": 1, "id": "someone-else/1/1", "phase": "Paused"})
+    core.patch_namespaced_pod(actors[0], namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: stale}}})
+    time.sleep(1)  # give the operator a pass over the stale ack
+    assert get_job(kube, namespace, "noisy")["status"]["barrier"]["phase"] == "Pause"
+    with running_agents(kube, namespace, actors):
+        wait_for(lambda: weights_version(kube, namespace, "noisy") == 1, "the update once the agent answers")
