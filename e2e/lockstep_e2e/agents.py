@@ -1,5 +1,6 @@
 """Barrier agents for end-to-end tests and benchmarks: the real PodAgent on a recording engine,
-one thread per pod, writing real acks on the real API server."""
+one thread per pod, each with a token bound to its pod (as the kubelet would mount it), writing
+real acks on the real API server."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from kubernetes import client
 
 from lockstep.api import Weights
+from lockstep_e2e.install import pod_client
 from lockstep_workers.agent import AgentCore, PodAgent
 
 
@@ -44,7 +46,7 @@ def running_agents(api: client.ApiClient, namespace: str, pods: list[str]) -> It
     engines = {pod: RecordingEngine() for pod in pods}
     threads = []
     for pod, engine in engines.items():
-        agent = PodAgent(AgentCore(engine), client.CoreV1Api(api), namespace, pod)
+        agent = PodAgent(AgentCore(engine), client.CoreV1Api(pod_client(api, namespace, pod)), namespace, pod)
         agent.start()
         thread = threading.Thread(target=agent.run, args=(stop, 2), name=f"agent-{pod}", daemon=True)
         thread.start()

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 from kubernetes import client
 
-from lockstep_e2e.cluster import OPERATOR_USER, Component, LocalCluster
+from lockstep.keys import OPERATOR_USERNAME
+from lockstep_e2e.cluster import Component, LocalCluster
 from lockstep_e2e.install import REPO, install, start_operator
 from lockstep_e2e.jobs import create_job, rljob
 
@@ -67,7 +68,7 @@ def operator_requests_since(cluster: LocalCluster, since: dt.datetime) -> int:
     """Requests the operator sent after ``since`` (its watches count once, when they started)."""
     count = 0
     for event in cluster.audit_events():
-        if event["user"]["username"] != OPERATOR_USER or event["stage"] != "ResponseComplete":
+        if event["user"]["username"] != OPERATOR_USERNAME or event["stage"] != "ResponseComplete":
             continue
         received = dt.datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00"))
         if received >= since and event["verb"] != "watch":
@@ -119,7 +120,7 @@ def main() -> None:
     with LocalCluster(workdir, nodes=4, node_pods=1100) as cluster:
         api = cluster.api_client()
         install(api)
-        operator: Component = start_operator(cluster.operator_kubeconfig, workdir / "operator.log")
+        operator: Component = start_operator(cluster, workdir / "operator.log")
         assert operator.process is not None
         rss = PeakRss(operator.process.pid)
         try:

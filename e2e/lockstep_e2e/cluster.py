@@ -38,7 +38,6 @@ POD_CIDR = "10.244.0.0/16"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Admission plugins on top of the apiserver's defaults, as kubeadm clusters run them.
 EXTRA_ADMISSION_PLUGINS = "NodeRestriction"
-OPERATOR_USER = "lockstep-operator"
 # Every request's metadata (who, verb, URI with its selectors, response code) goes to audit.log.
 AUDIT_POLICY = """\
 apiVersion: audit.k8s.io/v1
@@ -227,17 +226,19 @@ class LocalCluster:
             "kube-scheduler": ca.issue("scheduler", "system:kube-scheduler"),
             # kwok plays every kubelet at once, so it cannot be one system:node identity.
             "kwok": ca.issue("kwok", "kwok", "system:masters"),
-            # The operator gets an identity of its own, so that the audit log tells its requests apart.
-            OPERATOR_USER: ca.issue("operator", OPERATOR_USER, "system:masters"),
         }
-        for user in ("admin", "kube-controller-manager", "kube-scheduler", "kwok", OPERATOR_USER):
-            self._write_kubeconfig(self._kubeconfig_path(user), user, credentials["ca"], credentials[user])
+        for user in ("admin", "kube-controller-manager", "kube-scheduler", "kwok"):
+            pair = credentials[user]
+            self._write_kubeconfig(
+                self._kubeconfig_path(user), user, {"client-certificate": str(pair.cert), "client-key": str(pair.key)}
+            )
         return credentials
 
-    @property
-    def operator_kubeconfig(self) -> Path:
-        """Credentials for the Lockstep operator (its own user name in the audit log)."""
-        return self._kubeconfig_path(OPERATOR_USER)
+    def token_kubeconfig(self, name: str, token: str) -> Path:
+        """A kubeconfig that authenticates with a bearer token (a service account's)."""
+        path = self.workdir / f"{name}.kubeconfig"
+        self._write_kubeconfig(path, name, {"token": token})
+        return path
 
     @property
     def audit_log(self) -> Path:
@@ -250,7 +251,7 @@ class LocalCluster:
     def _kubeconfig_path(self, user: str) -> Path:
         return self.kubeconfig if user == "admin" else self.workdir / f"{user}.kubeconfig"
 
-    def _write_kubeconfig(self, path: Path, user: str, ca: KeyPair, pair: KeyPair) -> None:
+    def _write_kubeconfig(self, path: Path, user: str, credentials: dict[str, str]) -> None:
         document = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -259,11 +260,11 @@ class LocalCluster:
                     "name": "lockstep-local",
                     "cluster": {
                         "server": f"https://127.0.0.1:{self.apiserver_port}",
-                        "certificate-authority": str(ca.cert),
+                        "certificate-authority": str(self.workdir / "pki" / "ca.crt"),
                     },
                 }
             ],
-            "users": [{"name": user, "user": {"client-certificate": str(pair.cert), "client-key": str(pair.key)}}],
+            "users": [{"name": user, "user": credentials}],
             "contexts": [{"name": "lockstep-local", "context": {"cluster": "lockstep-local", "user": user}}],
             "current-context": "lockstep-local",
         }

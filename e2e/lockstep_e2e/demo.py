@@ -50,7 +50,7 @@ def main() -> None:
         step("installing the CRDs, admission policies and the default ParityPolicy from crds/")
         install(api)
         step("starting the operator (log: out/demo/operator.log)")
-        operator = start_operator(cluster.operator_kubeconfig, workdir / "operator.log")
+        operator = start_operator(cluster, workdir / "operator.log")
         try:
             client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
             manifest = yaml.safe_load(SAMPLE.read_text())

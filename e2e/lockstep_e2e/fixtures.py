@@ -65,6 +65,6 @@ def lockstep(
     """
     install(kube)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    operator = start_operator(cluster.operator_kubeconfig, log, "--restart-backoff-seconds=1")
+    operator = start_operator(cluster, log, "--restart-backoff-seconds=1")
     yield operator
     operator.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -15,7 +16,8 @@ from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
 
 from lockstep import api as lockstep_api
-from lockstep_e2e.cluster import ClusterError, Component, free_port
+from lockstep import keys
+from lockstep_e2e.cluster import ClusterError, Component, LocalCluster, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO / "crds"
@@ -90,8 +92,66 @@ def install(api: client.ApiClient) -> None:
     apply(api, manifests())
 
 
-def start_operator(kubeconfig: Path, log_path: Path, *args: str, timeout: float = 60.0) -> Component:
-    """Run ``python -m lockstep.controller`` against the cluster; return once its liveness probe answers."""
+def service_account_token(
+    api: client.ApiClient, namespace: str, name: str, *, pod: client.V1Pod | None = None, seconds: int = 86400
+) -> str:
+    """A token for the service account; bound to ``pod`` when given, as the kubelet mounts it (the API server
+    then tells who calls by ``authentication.kubernetes.io/pod-name``)."""
+    bound = (
+        client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)
+        if pod is not None
+        else None
+    )
+    request = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=seconds, bound_object_ref=bound)
+    )
+    response = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request)
+    return str(response.status.token)
+
+
+def token_client(api: client.ApiClient, token: str) -> client.ApiClient:
+    """A client of the same API server that authenticates with ``token`` instead."""
+    configuration = copy.copy(api.configuration)
+    configuration.cert_file = configuration.key_file = None
+    configuration.api_key = {"authorization": f"Bearer {token}"}
+    return client.ApiClient(configuration)
+
+
+def pod_client(api: client.ApiClient, namespace: str, pod: str) -> client.ApiClient:
+    """A client that acts as ``pod`` does: its service account, with a token bound to that pod."""
+    body = client.CoreV1Api(api).read_namespaced_pod(pod, namespace)
+    token = service_account_token(api, namespace, str(body.spec.service_account_name), pod=body, seconds=3600)
+    return token_client(api, token)
+
+
+def operator_kubeconfig(cluster: LocalCluster, api: client.ApiClient) -> Path:
+    """Credentials of the operator's service account (the only identity that may issue barrier commands).
+
+    It is bound to cluster-admin here; the Helm chart grants the least privilege instead.
+    """
+    namespace, name = keys.OPERATOR_NAMESPACE, keys.OPERATOR_SERVICE_ACCOUNT
+    subject = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
+    apply(
+        api,
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}},
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": name},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+                "subjects": [subject],
+            },
+        ],
+    )
+    return cluster.token_kubeconfig(name, service_account_token(api, namespace, name))
+
+
+def start_operator(cluster: LocalCluster, log_path: Path, *args: str, timeout: float = 60.0) -> Component:
+    """Run ``python -m lockstep.controller`` as the operator's service account; return once its liveness
+    probe answers."""
+    kubeconfig = operator_kubeconfig(cluster, cluster.api_client())
     port = free_port()
     operator = Component(
         "lockstep-operator",

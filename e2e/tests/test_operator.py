@@ -15,7 +15,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lockstep import keys
 from lockstep_e2e import build
-from lockstep_e2e.cluster import OPERATOR_USER, LocalCluster
+from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import wait_for
 from lockstep_e2e.jobs import (
     POLICIES,
@@ -366,7 +366,7 @@ def test_operator_lists_and_watches_only_its_own_pods(
     requests = [
         urllib.parse.urlsplit(e["requestURI"])
         for e in cluster.audit_events()
-        if e["user"]["username"] == OPERATOR_USER
+        if e["user"]["username"] == keys.OPERATOR_USERNAME
         and e["verb"] in ("list", "watch")
         and e.get("objectRef", {}).get("resource") == "pods"
     ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep import api
+from lockstep import api, keys
 from lockstep.crds import structural_schema
 
 NAME = "lockstep-parity-enforce"
@@ -148,3 +148,85 @@ def binding() -> dict[str, Any]:
 def manifests() -> list[dict[str, Any]]:
     """The policy and its binding, in the order to apply them."""
     return [policy(), binding()]
+
+
+# -- who may write the barrier annotations (docs/barrier-protocol.md) ---------------------
+
+BARRIER_POLICY = "lockstep-barrier-annotations"
+OPERATOR_KEYS = {"barrier": keys.BARRIER, "initialWeights": keys.INITIAL_WEIGHTS}
+"""Annotations only the operator writes, by the CEL variable that says whether a request changes them."""
+POD_KEYS = {"barrierAck": keys.BARRIER_ACK, "weights": keys.WEIGHTS}
+"""Annotations a pod writes on itself only."""
+
+
+def _annotation(side: str, key: str) -> str:
+    """CEL: the annotation's value on ``object`` or ``oldObject``, '' when absent (oldObject is null on CREATE)."""
+    annotations = f"{side}.metadata.annotations"
+    value = f"(has({annotations}) && '{key}' in {annotations} ? {annotations}['{key}'] : '')"
+    return f"({side} == null ? '' : {value})" if side == "oldObject" else value
+
+
+def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str, Any]:
+    """Only ``operator_username`` may write barrier commands; a pod may write its ack only on itself."""
+    changed = [
+        {"name": f"{name}Changed", "expression": f"{_annotation('oldObject', key)} != {_annotation('object', key)}"}
+        for name, key in {**OPERATOR_KEYS, **POD_KEYS}.items()
+    ]
+    caller = [
+        {"name": "isOperator", "expression": f"request.userInfo.username == '{operator_username}'"},
+        {
+            "name": "podName",
+            "expression": f"'{keys.POD_NAME_EXTRA}' in request.userInfo.extra ? "
+            f"request.userInfo.extra['{keys.POD_NAME_EXTRA}'][0] : ''",
+        },
+    ]
+    operator_only = [
+        {
+            "expression": f"!variables.{name}Changed || variables.isOperator",
+            "messageExpression": f"'{key} may be written only by the Lockstep operator ({operator_username}), "
+            "not by ' + request.userInfo.username",
+            "reason": "Forbidden",
+        }
+        for name, key in OPERATOR_KEYS.items()
+    ]
+    own_pod_only = [
+        {
+            "expression": f"!variables.{name}Changed || variables.podName == object.metadata.name",
+            "messageExpression": f"'{key} on pod ' + object.metadata.name + ' may be written only by that pod itself "
+            "(a service-account token bound to it), not by ' + request.userInfo.username + "
+            "(variables.podName == '' ? '' : ' for pod ' + variables.podName)",
+            "reason": "Forbidden",
+        }
+        for name, key in POD_KEYS.items()
+    ]
+    return {
+        "apiVersion": ADMISSION_API_VERSION,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": BARRIER_POLICY},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["pods"],
+                    }
+                ]
+            },
+            "variables": changed + caller,
+            "validations": operator_only + own_pod_only,
+        },
+    }
+
+
+def barrier_manifests() -> list[dict[str, Any]]:
+    """The barrier policy and its binding."""
+    binding = {
+        "apiVersion": ADMISSION_API_VERSION,
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": BARRIER_POLICY},
+        "spec": {"policyName": BARRIER_POLICY, "validationActions": ["Deny"]},
+    }
+    return [barrier_policy(), binding]

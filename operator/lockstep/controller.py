@@ -45,6 +45,7 @@ class Shell:
     def __init__(self, api_client: client.ApiClient, backoff_base_seconds: float = 10.0) -> None:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.rbac = client.RbacAuthorizationV1Api(api_client)
         self.backoff_base_seconds = backoff_base_seconds
         self._guard = threading.Lock()
         self._running: set[JobKey] = set()
@@ -146,6 +147,9 @@ class Shell:
         patch = {
             "ConfigMap": self.core.patch_namespaced_config_map,
             "Service": self.core.patch_namespaced_service,
+            "ServiceAccount": self.core.patch_namespaced_service_account,
+            "Role": self.rbac.patch_namespaced_role,
+            "RoleBinding": self.rbac.patch_namespaced_role_binding,
         }[child["kind"]]
         patch(
             name,

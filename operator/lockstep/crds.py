@@ -197,6 +197,7 @@ def rendered() -> dict[str, str]:
         f"{api.GROUP}_{crd['spec']['names']['plural']}.yaml": _dump(crd) for crd in (rljob_crd(), paritypolicy_crd())
     }
     files["admission-parity.yaml"] = "---\n".join(_dump(document) for document in admission.manifests())
+    files["admission-barrier.yaml"] = "---\n".join(_dump(document) for document in admission.barrier_manifests())
     files["default-paritypolicy.yaml"] = _dump(
         default_policy().model_dump(mode="json", by_alias=True, exclude_none=True)
     )

@@ -70,6 +70,43 @@ def trainer_service_name(job: str) -> str:
     return f"{job}-trainer"
 
 
+def worker_account_name(job: str) -> str:
+    return f"{job}-worker"
+
+
+def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
+    """The identity the job's pods run as: it may read and patch the job's own pods and nothing else.
+
+    RBAC cannot say "only your own pod, only your ack annotation": the ValidatingAdmissionPolicy in
+    crds/admission-barrier.yaml narrows each patch to the caller's own pod and its own keys.
+    """
+    name = worker_account_name(job.name)
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": job.metadata(name)},
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "Role",
+            "metadata": job.metadata(name),
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods"],
+                    "resourceNames": sorted(pod_names),
+                    "verbs": ["get", "list", "watch", "patch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "RoleBinding",
+            "metadata": job.metadata(name),
+            "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+        },
+    ]
+
+
 def config_map(job: JobRef, config: EffectiveConfig) -> dict[str, Any]:
     """The effective configuration, for people and for the pods (mounted at /etc/lockstep)."""
     document = {"fingerprint": config.fingerprint, "policy": config.policy, **config.document()}
@@ -181,6 +218,7 @@ def _pod(
     pod_spec: dict[str, Any] = {
         # The operator, not the kubelet, restarts failed pods, so that maxRestarts counts every failure.
         "restartPolicy": "Never",
+        "serviceAccountName": worker_account_name(job.name),
         "containers": [container],
         "volumes": [
             {"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}},

@@ -26,3 +26,10 @@ ROLES = (ACTOR, TRAINER)
 
 # The operator's pod watch: only pods it created.
 POD_SELECTOR = f"{MANAGED_BY}={MANAGER}"
+
+# The operator's identity, which alone may issue barrier commands (crds/admission-barrier.yaml).
+OPERATOR_NAMESPACE = "lockstep-system"
+OPERATOR_SERVICE_ACCOUNT = "lockstep-operator"
+OPERATOR_USERNAME = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}"
+# What a service-account token bound to a pod carries: the name of that pod.
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"

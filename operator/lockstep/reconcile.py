@@ -139,7 +139,12 @@ class _Reconciler:
         config = self.resolve_parity(spec)
         if config is None:
             return self.finish()
-        self.plan.children = [desired.config_map(self.job, config), *desired.services(self.job)]
+        pod_names = [p["metadata"]["name"] for p in desired.pods(self.job, spec, config)]
+        self.plan.children = [
+            *desired.worker_access(self.job, pod_names),
+            desired.config_map(self.job, config),
+            *desired.services(self.job),
+        ]
         if spec.suspend:
             self.delete_all_pods("the job is suspended")
             self.status.phase = Phase.SUSPENDED

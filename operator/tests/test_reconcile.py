@@ -48,7 +48,10 @@ def condition(plan: Plan, type_: str) -> tuple[str, str]:
 def test_new_job_creates_its_pods_and_children() -> None:
     plan = plan_for(job())
     assert [p["metadata"]["name"] for p in plan.create_pods] == ["demo-actor-0", "demo-actor-1", "demo-trainer-0"]
-    assert {c["kind"] for c in plan.children} == {"ConfigMap", "Service"}
+    assert {c["kind"] for c in plan.children} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service"}
+    role = next(c for c in plan.children if c["kind"] == "Role")
+    assert role["rules"][0]["resourceNames"] == ["demo-actor-0", "demo-actor-1", "demo-trainer-0"]
+    assert {p["spec"]["serviceAccountName"] for p in plan.create_pods} == {"demo-worker"}
     assert plan.status.phase is Phase.PENDING
     assert condition(plan, PARITY_LOCKED) == ("True", "Locked")
     assert plan.status.config_fingerprint and plan.status.parity_policy == "default"

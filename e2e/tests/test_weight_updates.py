@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from lockstep import keys
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component
 from lockstep_e2e.fixtures import wait_for
+from lockstep_e2e.install import pod_client
 from lockstep_e2e.jobs import create_job, events_for, get_job, phase, rljob
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
@@ -20,8 +23,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 def announce(kube: client.ApiClient, namespace: str, job: str, version: int) -> None:
     """What the trainer does after publishing weights: annotate its own pod."""
     weights = {"protocol": 1, "version": version, "uri": f"file:///weights/v{version}", "digest": f"sha256:{version}"}
-    client.CoreV1Api(kube).patch_namespaced_pod(
-        f"{job}-trainer-0", namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}}
+    trainer = f"{job}-trainer-0"
+    client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
+        trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}}
     )
 
 
@@ -93,12 +97,16 @@ def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
             return bool(pods) and pods[0].status.phase == "Running"
 
         wait_for(replaced, "the deleted actor to be recreated", timeout=90)
-        initial = core.read_namespaced_pod(actors[1], namespace).metadata.annotations[keys.INITIAL_WEIGHTS]
-        assert json.loads(initial)["version"] == 1, "the replacement starts from the committed weights"
+        # Recreated after the barrier closed, it starts from the committed weights; recreated while it was
+        # still open (nothing committed yet), it catches up in a barrier of its own.
+        initial = core.read_namespaced_pod(actors[1], namespace).metadata.annotations.get(keys.INITIAL_WEIGHTS)
+        expected = ["load 1"] if initial else ["pause", "load 1", "resume"]
         with running_agents(kube, namespace, actors[1:]) as late:
-            wait_for(lambda: late[actors[1]].calls == ["load 1"], "the replacement to load version 1 at start")
+            wait_for(lambda: late[actors[1]].calls == expected, f"the replacement to reach version 1 by {expected}")
+            wait_for(lambda: "barrier" not in get_job(kube, namespace, "shrink")["status"], "no barrier open")
     history = get_job(kube, namespace, "shrink")["status"]["barrierHistory"]
-    assert [(r["version"], r["members"], r["outcome"]) for r in history] == [(1, 1, "Completed")]
+    barriers = [(1, 1)] if initial else [(1, 1), (1, 1)]  # (version, members): the update, then the catch-up
+    assert [(r["version"], r["members"]) for r in history] == barriers
 
 
 def test_a_silent_actor_fails_the_job_on_timeout(kube: client.ApiClient, namespace: str) -> None:
@@ -128,7 +136,7 @@ def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient
 
 def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace: str) -> None:
     actors = running(kube, namespace, "noisy", 1)
-    core = client.CoreV1Api(kube)
+    core = client.CoreV1Api(pod_client(kube, namespace, actors[0]))
     announce(kube, namespace, "noisy", 1)
     wait_for(lambda: get_job(kube, namespace, "noisy")["status"].get("barrier"), "the barrier to open")
     core.patch_namespaced_pod(actors[0], namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: "{not json"}}})
@@ -142,3 +150,43 @@ def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace
     assert get_job(kube, namespace, "noisy")["status"]["barrier"]["phase"] == "Pause"
     with running_agents(kube, namespace, actors):
         wait_for(lambda: weights_version(kube, namespace, "noisy") == 1, "the update once the agent answers")
+
+
+def forbidden(call: Any) -> str:
+    with pytest.raises(ApiException) as refused:
+        call()
+    assert refused.value.status in (403, 422), refused.value.body
+    return str(json.loads(refused.value.body)["message"])
+
+
+def test_only_the_operator_commands_and_a_pod_acks_only_for_itself(kube: client.ApiClient, namespace: str) -> None:
+    actors = running(kube, namespace, "guarded", 2)
+    running(kube, namespace, "other", 1)
+    as_actor0 = client.CoreV1Api(pod_client(kube, namespace, actors[0]))
+    as_admin = client.CoreV1Api(kube)
+    as_other_job = client.CoreV1Api(pod_client(kube, namespace, "other-actor-0"))
+    worker = f"system:serviceaccount:{namespace}:guarded-worker"
+    command = json.dumps({"protocol": 1, "id": "forged/1/1", "version": 1, "uri": "u", "digest": "d", "phase": "Pause"})
+    ack = json.dumps({"protocol": 1, "id": "forged/1/1", "phase": "Paused"})
+
+    def annotate(api: client.CoreV1Api, pod: str, key: str, value: str) -> Any:
+        return lambda: api.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {key: value}}})
+
+    message = forbidden(annotate(as_actor0, actors[0], keys.BARRIER, command))
+    assert f"lockstep.dev/barrier may be written only by the Lockstep operator ({keys.OPERATOR_USERNAME}), " in message
+    assert f"not by {worker}" in message
+    assert "may be written only by the Lockstep operator" in forbidden(
+        annotate(as_admin, actors[0], keys.BARRIER, command)
+    )
+
+    message = forbidden(annotate(as_actor0, actors[1], keys.BARRIER_ACK, ack))
+    assert (
+        f"lockstep.dev/barrier-ack on pod {actors[1]} may be written only by that pod itself (a service-account token "
+        f"bound to it), not by {worker} for pod {actors[0]}"
+    ) in message
+    assert "may be written only by that pod itself" in forbidden(annotate(as_admin, actors[1], keys.BARRIER_ACK, ack))
+    # Another job's pods may not even read or patch this job's pods (RBAC, before admission).
+    assert "forbidden" in forbidden(annotate(as_other_job, actors[0], keys.BARRIER_ACK, ack))
+
+    annotate(as_actor0, actors[0], keys.BARRIER_ACK, ack)()  # its own ack: allowed
+    assert as_admin.read_namespaced_pod(actors[0], namespace).metadata.annotations[keys.BARRIER_ACK] == ack
