@@ -15,22 +15,27 @@ from lockstep.api import Weights
 from lockstep_e2e.install import pod_client
 from lockstep_workers.agent import AgentCore, PodAgent
 
+STEPS = ("pause", "load", "resume")
+
 
 @dataclass
 class RecordingEngine:
-    """Records what the agent asked of it; ``hold`` blocks loads until it is set (a slow actor)."""
+    """Records what the agent asked of it. Clearing ``gates[step]`` ("pause", "load" or "resume") makes that
+    step wait until the gate is set again: a slow actor."""
 
     calls: list[str] = field(default_factory=list)
-    hold: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+    gates: dict[str, threading.Event] = field(default_factory=lambda: {s: _set(threading.Event()) for s in STEPS})
 
     def pause(self) -> None:
+        self.gates["pause"].wait()
         self.calls.append("pause")
 
     def load(self, weights: Weights) -> None:
-        self.hold.wait()
+        self.gates["load"].wait()
         self.calls.append(f"load {weights.version}")
 
     def resume(self) -> None:
+        self.gates["resume"].wait()
         self.calls.append("resume")
 
 
@@ -56,6 +61,7 @@ def running_agents(api: client.ApiClient, namespace: str, pods: list[str]) -> It
     finally:
         stop.set()
         for engine in engines.values():
-            engine.hold.set()
+            for gate in engine.gates.values():
+                gate.set()
         for thread in threads:
             thread.join(timeout=10)

@@ -93,12 +93,14 @@ def install(api: client.ApiClient) -> None:
 
 
 def service_account_token(
-    api: client.ApiClient, namespace: str, name: str, *, pod: client.V1Pod | None = None, seconds: int = 86400
+    api: client.ApiClient, namespace: str, name: str, *, pod: dict[str, Any] | None = None, seconds: int = 86400
 ) -> str:
     """A token for the service account; bound to ``pod`` when given, as the kubelet mounts it (the API server
     then tells who calls by ``authentication.kubernetes.io/pod-name``)."""
     bound = (
-        client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)
+        client.V1BoundObjectReference(
+            kind="Pod", api_version="v1", name=pod["metadata"]["name"], uid=pod["metadata"]["uid"]
+        )
         if pod is not None
         else None
     )
@@ -107,6 +109,17 @@ def service_account_token(
     )
     response = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request)
     return str(response.status.token)
+
+
+def raw(response: Any) -> Any:
+    """The JSON body of a call made with ``_preload_content=False``."""
+    return json.loads(response.data)
+
+
+def read_pod(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    """The pod as the API server returns it (plain JSON)."""
+    pod: dict[str, Any] = raw(client.CoreV1Api(api).read_namespaced_pod(name, namespace, _preload_content=False))
+    return pod
 
 
 def token_client(api: client.ApiClient, token: str) -> client.ApiClient:
@@ -119,8 +132,8 @@ def token_client(api: client.ApiClient, token: str) -> client.ApiClient:
 
 def pod_client(api: client.ApiClient, namespace: str, pod: str) -> client.ApiClient:
     """A client that acts as ``pod`` does: its service account, with a token bound to that pod."""
-    body = client.CoreV1Api(api).read_namespaced_pod(pod, namespace)
-    token = service_account_token(api, namespace, str(body.spec.service_account_name), pod=body, seconds=3600)
+    body = read_pod(api, namespace, pod)
+    token = service_account_token(api, namespace, body["spec"]["serviceAccountName"], pod=body, seconds=3600)
     return token_client(api, token)
 
 

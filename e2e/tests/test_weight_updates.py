@@ -58,27 +58,29 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
     assert any("weights version 2 live on 3 member(s)" in e.message for e in events_for(kube, namespace, "sync"))
 
 
-def test_operator_killed_mid_barrier_resumes_it_after_restart(
-    kube: client.ApiClient, namespace: str, lockstep: Component
+@pytest.mark.parametrize(("phase", "step"), [("Pause", "pause"), ("Update", "load"), ("Resume", "resume")])
+def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
+    kube: client.ApiClient, namespace: str, lockstep: Component, phase: str, step: str
 ) -> None:
     actors = running(kube, namespace, "crashy", 2)
     with running_agents(kube, namespace, actors) as engines:
-        engines[actors[1]].hold.clear()  # actor 1 is slow to load
+        engines[actors[1]].gates[step].clear()  # actor 1 is slow in this phase
         announce(kube, namespace, "crashy", 1)
 
-        def in_update() -> bool:
+        def in_phase() -> bool:
             barrier = get_job(kube, namespace, "crashy")["status"].get("barrier") or {}
-            return barrier.get("phase") == "Update"
+            return barrier.get("phase") == phase
 
-        wait_for(in_update, "the barrier to reach Update")
+        wait_for(in_phase, f"the barrier to reach {phase}")
         assert lockstep.process is not None
         lockstep.process.kill()
         lockstep.process.wait()
-        engines[actors[1]].hold.set()
+        engines[actors[1]].gates[step].set()  # it acks while no operator is running
         lockstep.start()
         wait_for(lambda: weights_version(kube, namespace, "crashy") == 1, "the restarted operator to finish it")
     for engine in engines.values():
         assert engine.calls == ["pause", "load 1", "resume"]
+    assert get_job(kube, namespace, "crashy")["status"]["lag"] == 0
 
 
 def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
