@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export VLLM_TARGET_DEVICE := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test venv binaries lint typecheck pytest bench-apply lock clean
+.PHONY: demo test venv binaries lint typecheck pytest bench-apply bench-barrier lock clean
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -43,6 +43,9 @@ pytest: venv binaries
 # Benchmarks print and record numbers (out/benchmarks/); see docs/benchmarks.md.
 bench-apply: venv binaries
 	$(PY) -m lockstep_e2e.bench_apply
+
+bench-barrier: venv binaries
+	$(PY) -m lockstep_e2e.bench_barrier
 
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 from kubernetes import client
 
-from lockstep.keys import OPERATOR_USERNAME
-from lockstep_e2e.cluster import Component, LocalCluster
-from lockstep_e2e.install import REPO, install, start_operator
+from lockstep_e2e.benchmarks import PeakRss, operator_lab, operator_requests_since, write_results
+from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.install import REPO
 from lockstep_e2e.jobs import create_job, rljob
 
 SCENARIOS = ((1, 8), (1, 64), (1, 256), (50, 8))  # (jobs applied at once, actors per job)
@@ -36,44 +32,6 @@ class Result:
     operator_requests: int
     requests_per_job: float
     operator_peak_rss_mib: float
-
-
-class PeakRss:
-    """Samples a process's resident memory in the background; ``peak`` is the highest seen (bytes)."""
-
-    def __init__(self, pid: int, interval: float = 0.1) -> None:
-        self.process = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
-        self._thread.start()
-
-    def _sample(self, interval: float) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-            except psutil.NoSuchProcess:
-                return
-            time.sleep(interval)
-
-    def reset(self) -> None:
-        self.peak = 0
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def operator_requests_since(cluster: LocalCluster, since: dt.datetime) -> int:
-    """Requests the operator sent after ``since`` (its watches count once, when they started)."""
-    count = 0
-    for event in cluster.audit_events():
-        if event["user"]["username"] != OPERATOR_USERNAME or event["stage"] != "ResponseComplete":
-            continue
-        received = dt.datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00"))
-        if received >= since and event["verb"] != "watch":
-            count += 1
-    return count
 
 
 def run_scenario(cluster: LocalCluster, api: client.ApiClient, rss: PeakRss, jobs: int, actors: int) -> Result:
@@ -115,30 +73,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "apply.json")
     options = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
     results: list[Result] = []
-    with LocalCluster(workdir, nodes=4, node_pods=1100) as cluster:
-        api = cluster.api_client()
-        install(api)
-        operator: Component = start_operator(cluster, workdir / "operator.log")
-        assert operator.process is not None
-        rss = PeakRss(operator.process.pid)
-        try:
-            for jobs, actors in SCENARIOS:
-                result = run_scenario(cluster, api, rss, jobs, actors)
-                results.append(result)
-                print(
-                    f"{jobs:>3} job(s) x {actors:>3} actors: {result.pods:>4} pods Running in "
-                    f"{result.seconds_to_all_running:7.2f} s; operator {result.operator_requests} requests "
-                    f"({result.requests_per_job}/job), peak RSS {result.operator_peak_rss_mib} MiB",
-                    flush=True,
-                )
-        finally:
-            rss.stop()
-            operator.stop()
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
-    print(f"wrote {options.out}")
+    with operator_lab() as (cluster, api, rss):
+        for jobs, actors in SCENARIOS:
+            result = run_scenario(cluster, api, rss, jobs, actors)
+            results.append(result)
+            print(
+                f"{jobs:>3} job(s) x {actors:>3} actors: {result.pods:>4} pods Running in "
+                f"{result.seconds_to_all_running:7.2f} s; operator {result.operator_requests} requests "
+                f"({result.requests_per_job}/job), peak RSS {result.operator_peak_rss_mib} MiB",
+                flush=True,
+            )
+    write_results(options.out, results)
 
 
 if __name__ == "__main__":

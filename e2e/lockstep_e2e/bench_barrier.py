@@ -19,9 +19,8 @@ import datetime as dt
 import json
 import ssl
 import statistics
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,9 @@ from kubernetes import client
 from lockstep import keys
 from lockstep.api import Ack, Command
 from lockstep.barrier import ACK_FOR, document
-from lockstep_e2e.bench_apply import PeakRss, operator_requests_since
+from lockstep_e2e.benchmarks import operator_lab, operator_requests_since, write_results
 from lockstep_e2e.cluster import LocalCluster
-from lockstep_e2e.install import REPO, install, pod_client, raw, service_account_token, start_operator
+from lockstep_e2e.install import REPO, pod_client, raw, service_account_token
 from lockstep_e2e.jobs import create_job, get_job, rljob
 
 
@@ -164,52 +163,40 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "barrier.json")
     options = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="lockstep-bench-"))
     results = []
-    with LocalCluster(workdir, nodes=4, node_pods=1100) as cluster:
-        api = cluster.api_client()
-        install(api)
-        operator = start_operator(cluster, workdir / "operator.log")
-        assert operator.process is not None
-        rss = PeakRss(operator.process.pid)
+    with operator_lab() as (cluster, api, rss):
         core = client.CoreV1Api(api)
-        try:
-            for size in options.sizes:
-                namespace = f"barrier-{size}"
-                core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-                while not core.list_namespaced_service_account(namespace, field_selector="metadata.name=default").items:
-                    time.sleep(0.1)
-                create_job(api, namespace, rljob("bench", actors=size, trainers=1))
-                while (get_job(api, namespace, "bench").get("status") or {}).get("phase") != "Running":
-                    time.sleep(0.5)
-                rss.reset()
-                ours, requests = asyncio.run(lockstep_barriers(cluster, api, namespace, "bench", options.repeats))
-                theirs = asyncio.run(baseline_barriers(size, options.repeats))
-                result = Result(
-                    actors=size,
-                    repeats=options.repeats,
-                    lockstep_p50_s=percentile(ours, 0.5),
-                    lockstep_p95_s=percentile(ours, 0.95),
-                    baseline_p50_s=percentile(theirs, 0.5),
-                    baseline_p95_s=percentile(theirs, 0.95),
-                    operator_requests_per_barrier=round(requests / options.repeats, 1),
-                    operator_peak_rss_mib=round(rss.peak / 2**20, 1),
-                )
-                results.append(result)
-                print(
-                    f"{size:>5} actors: lockstep p50 {result.lockstep_p50_s:6.2f} s p95 {result.lockstep_p95_s:6.2f} s"
-                    f" | direct HTTP p50 {result.baseline_p50_s:6.3f} s p95 {result.baseline_p95_s:6.3f} s"
-                    f" | {result.operator_requests_per_barrier} operator requests/barrier,"
-                    f" peak RSS {result.operator_peak_rss_mib} MiB (mean {statistics.mean(ours):.2f} s)",
-                    flush=True,
-                )
-                core.delete_namespace(namespace)
-        finally:
-            rss.stop()
-            operator.stop()
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
-    print(f"wrote {options.out}")
+        for size in options.sizes:
+            namespace = f"barrier-{size}"
+            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+            while not core.list_namespaced_service_account(namespace, field_selector="metadata.name=default").items:
+                time.sleep(0.1)
+            create_job(api, namespace, rljob("bench", actors=size, trainers=1))
+            while (get_job(api, namespace, "bench").get("status") or {}).get("phase") != "Running":
+                time.sleep(0.5)
+            rss.reset()
+            ours, requests = asyncio.run(lockstep_barriers(cluster, api, namespace, "bench", options.repeats))
+            theirs = asyncio.run(baseline_barriers(size, options.repeats))
+            result = Result(
+                actors=size,
+                repeats=options.repeats,
+                lockstep_p50_s=percentile(ours, 0.5),
+                lockstep_p95_s=percentile(ours, 0.95),
+                baseline_p50_s=percentile(theirs, 0.5),
+                baseline_p95_s=percentile(theirs, 0.95),
+                operator_requests_per_barrier=round(requests / options.repeats, 1),
+                operator_peak_rss_mib=round(rss.peak / 2**20, 1),
+            )
+            results.append(result)
+            print(
+                f"{size:>5} actors: lockstep p50 {result.lockstep_p50_s:6.2f} s p95 {result.lockstep_p95_s:6.2f} s"
+                f" | direct HTTP p50 {result.baseline_p50_s:6.3f} s p95 {result.baseline_p95_s:6.3f} s"
+                f" | {result.operator_requests_per_barrier} operator requests/barrier,"
+                f" peak RSS {result.operator_peak_rss_mib} MiB (mean {statistics.mean(ours):.2f} s)",
+                flush=True,
+            )
+            core.delete_namespace(namespace)
+    write_results(options.out, results)
 
 
 if __name__ == "__main__":
