@@ -1,4 +1,5 @@
-"""The local demo: a real control plane, Lockstep installed, the operator running, a sample RLJob.
+"""The local demo: a real control plane, Lockstep installed, the operator running, a sample RLJob,
+and two in-flight weight updates through the barrier (simulated agents in the actor pods).
 
 ``python -m lockstep_e2e.demo [--keep]`` (``make demo`` builds what it needs first).
 """
@@ -16,9 +17,10 @@ import yaml
 from kubernetes import client
 
 from lockstep_e2e import build
+from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO, install, start_operator
-from lockstep_e2e.jobs import create_job, get_job, phase
+from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase
 
 SAMPLE = REPO / "examples" / "rljob-tiny.yaml"
 NAMESPACE = "demo"
@@ -63,10 +65,31 @@ def main() -> None:
                     raise SystemExit(f"RLJob {name} did not reach Running; see {workdir / 'operator.log'}")
                 time.sleep(0.5)
             step(f"RLJob {name} is Running")
+            actors = [f"{name}-actor-{i}" for i in range(manifest["spec"]["actors"]["replicas"])]
+            with running_agents(api, NAMESPACE, actors):
+                for version in (1, 2):
+                    step(f"the trainer announces weights version {version}; the operator runs the barrier")
+                    announce_weights(api, NAMESPACE, name, version)
+                    while get_job(api, NAMESPACE, name)["status"].get("weightsVersion") != version:
+                        time.sleep(0.2)
+            step("every actor paused, loaded and resumed twice (simulated agents, no-op loads)")
             kubectl(cluster, "get", "paritypolicies")
             kubectl(cluster, "get", "rljobs", "-n", NAMESPACE)
             kubectl(cluster, "get", "pods", "-n", NAMESPACE, "-o", "wide")
-            kubectl(cluster, "get", "events", "-n", NAMESPACE, "--field-selector=involvedObject.kind=RLJob")
+            kubectl(
+                cluster,
+                "get",
+                "events",
+                "-n",
+                NAMESPACE,
+                "--field-selector=involvedObject.kind=RLJob",
+                "--sort-by=.metadata.creationTimestamp",
+            )
+            history = (
+                "{range .status.barrierHistory[*]}{.version}{'  '}{.outcome}{'  '}{.seconds}s"
+                "{'  slowest: '}{.slowestPod}{'\\n'}{end}"
+            )
+            kubectl(cluster, "get", "rljob", name, "-n", NAMESPACE, "-o", f"jsonpath={history}")
             if options.keep:
                 print(f"\nThe cluster keeps running: export KUBECONFIG={cluster.kubeconfig}  (Ctrl-C stops it)")
                 signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, cast
 
 from kubernetes import client
 
-from lockstep import api
+from lockstep import api, keys
+from lockstep_e2e.install import pod_client
 
 POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
 
@@ -78,3 +80,12 @@ def events_for(kube: client.ApiClient, namespace: str, name: str) -> list[client
         .items
     )
     return events
+
+
+def announce_weights(kube: client.ApiClient, namespace: str, job: str, version: int) -> None:
+    """What the trainer does after publishing weights: annotate its own pod (with a token bound to it)."""
+    weights = {"protocol": 1, "version": version, "uri": f"file:///weights/v{version}", "digest": f"sha256:{version}"}
+    trainer = f"{job}-trainer-0"
+    client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
+        trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}}
+    )

@@ -15,18 +15,9 @@ from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component
 from lockstep_e2e.fixtures import wait_for
 from lockstep_e2e.install import pod_client
-from lockstep_e2e.jobs import create_job, events_for, get_job, phase, rljob
+from lockstep_e2e.jobs import announce_weights, create_job, events_for, get_job, phase, rljob
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
-
-
-def announce(kube: client.ApiClient, namespace: str, job: str, version: int) -> None:
-    """What the trainer does after publishing weights: annotate its own pod."""
-    weights = {"protocol": 1, "version": version, "uri": f"file:///weights/v{version}", "digest": f"sha256:{version}"}
-    trainer = f"{job}-trainer-0"
-    client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
-        trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}}
-    )
 
 
 def running(kube: client.ApiClient, namespace: str, name: str, actors: int) -> list[str]:
@@ -45,7 +36,7 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
     actors = running(kube, namespace, "sync", 3)
     with running_agents(kube, namespace, actors) as engines:
         for version in (1, 2):
-            announce(kube, namespace, "sync", version)
+            announce_weights(kube, namespace, "sync", version)
             wait_for(lambda v=version: weights_version(kube, namespace, "sync") == v, f"weights version {version}")
     for pod, engine in engines.items():
         assert engine.calls == ["pause", "load 1", "resume", "pause", "load 2", "resume"], pod
@@ -65,7 +56,7 @@ def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
     actors = running(kube, namespace, "crashy", 2)
     with running_agents(kube, namespace, actors) as engines:
         engines[actors[1]].gates[step].clear()  # actor 1 is slow in this phase
-        announce(kube, namespace, "crashy", 1)
+        announce_weights(kube, namespace, "crashy", 1)
 
         def in_phase() -> bool:
             barrier = get_job(kube, namespace, "crashy")["status"].get("barrier") or {}
@@ -89,7 +80,7 @@ def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
     actors = running(kube, namespace, "shrink", 2)
     core = client.CoreV1Api(kube)
     with running_agents(kube, namespace, actors[:1]):
-        announce(kube, namespace, "shrink", 1)
+        announce_weights(kube, namespace, "shrink", 1)
         wait_for(lambda: get_job(kube, namespace, "shrink")["status"].get("barrier"), "the barrier to open")
         core.delete_namespaced_pod(actors[1], namespace)  # it never acked; now it is gone
         wait_for(lambda: weights_version(kube, namespace, "shrink") == 1, "the barrier to finish without it")
@@ -116,7 +107,7 @@ def test_a_silent_actor_fails_the_job_on_timeout(kube: client.ApiClient, namespa
     create_job(kube, namespace, body)
     wait_for(lambda: phase(get_job(kube, namespace, "stuck")) == "Running", "RLJob stuck to run")
     with running_agents(kube, namespace, ["stuck-actor-0"]):  # stuck-actor-1 never answers
-        announce(kube, namespace, "stuck", 1)
+        announce_weights(kube, namespace, "stuck", 1)
         wait_for(lambda: phase(get_job(kube, namespace, "stuck")) == "Failed", "the job to fail", timeout=60)
     ready = next(c for c in get_job(kube, namespace, "stuck")["status"]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "WeightUpdateFailed"
@@ -128,7 +119,7 @@ def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient
     create_job(kube, namespace, body)
     wait_for(lambda: phase(get_job(kube, namespace, "evict")) == "Running", "RLJob evict to run")
     with running_agents(kube, namespace, ["evict-actor-0"]) as engines:
-        announce(kube, namespace, "evict", 1)
+        announce_weights(kube, namespace, "evict", 1)
         wait_for(lambda: weights_version(kube, namespace, "evict") == 1, "the update without the straggler", 60)
     assert engines["evict-actor-0"].calls == ["pause", "load 1", "resume"]
     record = get_job(kube, namespace, "evict")["status"]["barrierHistory"][-1]
@@ -139,7 +130,7 @@ def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient
 def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace: str) -> None:
     actors = running(kube, namespace, "noisy", 1)
     core = client.CoreV1Api(pod_client(kube, namespace, actors[0]))
-    announce(kube, namespace, "noisy", 1)
+    announce_weights(kube, namespace, "noisy", 1)
     wait_for(lambda: get_job(kube, namespace, "noisy")["status"].get("barrier"), "the barrier to open")
     core.patch_namespaced_pod(actors[0], namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: "{not json"}}})
     wait_for(
