@@ -26,6 +26,7 @@ from lockstep.api import (
     TimeoutAction,
     Weights,
 )
+from lockstep.times import parse_rfc3339, rfc3339
 
 HISTORY_LENGTH = 10
 ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
@@ -99,14 +100,6 @@ def parse_ack(text: str | None) -> Ack | str | None:
     return ack
 
 
-def parse_time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-def _stamp(moment: dt.datetime) -> str:
-    return moment.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 def step(
     *,
     job_uid: str,
@@ -157,7 +150,7 @@ def _maybe_open(
     if not joining:
         return None
     attempt = 1 + sum(1 for record in history if record.version == target.version)
-    stamp = _stamp(now)
+    stamp = rfc3339(now, milliseconds=True)
     return BarrierStatus(
         id=f"{job_uid}/{target.version}/{attempt}",
         version=target.version,
@@ -167,7 +160,7 @@ def _maybe_open(
         members={m.name: m.uid for m in joining},
         started_at=stamp,
         phase_started_at=stamp,
-        deadline=_stamp(now + dt.timedelta(seconds=timeout_seconds)),
+        deadline=rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True),
     )
 
 
@@ -185,7 +178,7 @@ def _advance(
     while True:
         errors = _collect_acks(decision, seen)
         pending = [name for name in barrier.members if name not in barrier.acked]
-        if errors or (pending and now >= parse_time(barrier.deadline)):
+        if errors or (pending and now >= parse_rfc3339(barrier.deadline)):
             stragglers = {name: errors.get(name, f"did not ack {barrier.phase.value} in time") for name in pending}
             stragglers.update(errors)
             if not _handle_stragglers(decision, stragglers, now, on_timeout):
@@ -245,7 +238,9 @@ def _next_phase(decision: Decision, now: dt.datetime, timeout_seconds: float) ->
     """Every member acked the current phase: move on, or close the barrier. True when it is still open."""
     barrier = decision.barrier
     assert barrier is not None
-    barrier.phase_seconds[barrier.phase.value] = round((now - parse_time(barrier.phase_started_at)).total_seconds(), 3)
+    barrier.phase_seconds[barrier.phase.value] = round(
+        (now - parse_rfc3339(barrier.phase_started_at)).total_seconds(), 3
+    )
     if barrier.acked:
         barrier.slowest[barrier.phase.value] = barrier.acked[-1]
     following = NEXT_PHASE.get(barrier.phase)
@@ -259,8 +254,8 @@ def _next_phase(decision: Decision, now: dt.datetime, timeout_seconds: float) ->
         decision.barrier = None
         return False
     barrier.phase = following
-    barrier.phase_started_at = _stamp(now)
-    barrier.deadline = _stamp(now + dt.timedelta(seconds=timeout_seconds))
+    barrier.phase_started_at = rfc3339(now, milliseconds=True)
+    barrier.deadline = rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True)
     barrier.acked = []
     return True
 
@@ -271,12 +266,16 @@ def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -
         id=barrier.id,
         version=barrier.version,
         outcome=outcome,
-        seconds=round((now - parse_time(barrier.started_at)).total_seconds(), 3),
+        seconds=_seconds_since(barrier.started_at, now),
         phase_seconds=barrier.phase_seconds,
         slowest_pod=slowest[1] if slowest else None,
         members=len(barrier.members),
         evicted=barrier.evicted,
     )
+
+
+def _seconds_since(stamp: str, now: dt.datetime) -> float:
+    return round((now - parse_rfc3339(stamp)).total_seconds(), 3)
 
 
 def remember(history: list[BarrierRecord], record: BarrierRecord | None) -> list[BarrierRecord]:

@@ -24,6 +24,7 @@ from lockstep.api import (
 )
 from lockstep.conditions import PARITY_LOCKED, READY, find, set_condition
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
+from lockstep.times import parse_rfc3339, rfc3339
 
 MAX_BACKOFF_SECONDS = 300.0
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
@@ -71,14 +72,6 @@ class Plan:
     delete_job: bool = False
 
 
-def timestamp(moment: dt.datetime) -> str:
-    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_timestamp(text: str) -> dt.datetime:
-    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
-
-
 def pod_phase(pod: dict[str, Any]) -> str:
     return str((pod.get("status") or {}).get("phase", "Pending"))
 
@@ -101,7 +94,7 @@ class _Reconciler:
         metadata = observed.job["metadata"]
         self.job = desired.JobRef(metadata["name"], metadata["namespace"], metadata["uid"])
         self.generation: int | None = metadata.get("generation")
-        self.now = timestamp(observed.now)
+        self.now = rfc3339(observed.now)
         self.old = RLJobStatus.model_validate(observed.job.get("status") or {})
         status = self.old.model_copy(deep=True)
         status.observed_generation = self.generation
@@ -295,7 +288,7 @@ class _Reconciler:
             self.finish_job(spec, Phase.FAILED, "WeightUpdateFailed", decision.failed)
             return True
         if decision.barrier is not None and decision.commands:
-            deadline = barrier.parse_time(decision.barrier.deadline)
+            deadline = parse_rfc3339(decision.barrier.deadline)
             self.requeue((deadline - self.observed.now).total_seconds() + 0.5)
         return False
 
@@ -342,7 +335,7 @@ class _Reconciler:
         if ready is None or ready.reason != "Restarting" or self.status.last_restart_time is None:
             return 0.0
         delay = restart_backoff_seconds(self.status.restarts, self.observed.backoff_base_seconds)
-        elapsed = (self.observed.now - parse_timestamp(self.status.last_restart_time)).total_seconds()
+        elapsed = (self.observed.now - parse_rfc3339(self.status.last_restart_time)).total_seconds()
         return max(delay - elapsed, 0.0)
 
     def finish_job(self, spec: RLJobSpec, phase: Phase, reason: str, message: str) -> None:
@@ -358,7 +351,7 @@ class _Reconciler:
         """Honour ttlSecondsAfterFinished."""
         if spec.ttl_seconds_after_finished is None or self.status.finished_time is None:
             return
-        expires = parse_timestamp(self.status.finished_time) + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
+        expires = parse_rfc3339(self.status.finished_time) + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
         remaining = (expires - self.observed.now).total_seconds()
         if remaining <= 0:
             self.plan.delete_job = True
