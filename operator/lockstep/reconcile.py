@@ -81,6 +81,10 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def _role(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["labels"][keys.ROLE])
+
+
 def _annotation(pod: dict[str, Any], key: str) -> str | None:
     value = (pod["metadata"].get("annotations") or {}).get(key)
     return None if value is None else str(value)
@@ -132,9 +136,9 @@ class _Reconciler:
         config = self.resolve_parity(spec)
         if config is None:
             return self.finish()
-        pod_names = [p["metadata"]["name"] for p in desired.pods(self.job, spec, config)]
+        wanted = {p["metadata"]["name"]: p for p in desired.pods(self.job, spec, config)}
         self.plan.children = [
-            *desired.worker_access(self.job, pod_names),
+            *desired.worker_access(self.job, list(wanted)),
             desired.config_map(self.job, config),
             *desired.services(self.job),
         ]
@@ -144,7 +148,7 @@ class _Reconciler:
             self.condition(READY, False, "Suspended", "spec.suspend is true: pods are deleted, the status is kept")
             self.count(spec, {})
             return self.finish()
-        self.run_pods(spec, config)
+        self.run_pods(spec, config, wanted)
         return self.finish()
 
     def resolve_parity(self, spec: RLJobSpec) -> EffectiveConfig | None:
@@ -195,8 +199,7 @@ class _Reconciler:
         self.status.config_fingerprint = config.fingerprint
         return config
 
-    def run_pods(self, spec: RLJobSpec, config: EffectiveConfig) -> None:
-        wanted = {p["metadata"]["name"]: p for p in desired.pods(self.job, spec, config)}
+    def run_pods(self, spec: RLJobSpec, config: EffectiveConfig, wanted: dict[str, dict[str, Any]]) -> None:
         rank0 = self.pods.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
         if rank0 is not None and pod_phase(rank0) == "Succeeded":
             self.finish_job(spec, Phase.SUCCEEDED, "TrainerSucceeded", "the trainer (rank 0) completed")
@@ -249,11 +252,11 @@ class _Reconciler:
     def run_barrier(self, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> bool:
         """Advance the weight-update barrier; True when it failed the job."""
         roles = (keys.ACTOR, keys.TRAINER) if spec.weight_sync.backend is WeightSyncBackend.NCCL else (keys.ACTOR,)
-        members = [
-            barrier.member_of(pod)
-            for pod in live.values()
-            if pod["metadata"]["labels"].get(keys.ROLE) in roles and pod_phase(pod) == "Running"
-        ]
+        members = {
+            name: barrier.member_of(pod)
+            for name, pod in live.items()
+            if _role(pod) in roles and pod_phase(pod) == "Running"
+        }
         rank0 = live.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
         announced = barrier.announced_by(rank0) if rank0 is not None else None
         if isinstance(announced, str):
@@ -264,7 +267,7 @@ class _Reconciler:
             barrier=self.status.barrier,
             committed=self.status.weights,
             announced=announced,
-            members=members,
+            members=list(members.values()),
             history=self.status.barrier_history,
             now=self.observed.now,
             timeout_seconds=spec.weight_sync.barrier_timeout_seconds,
@@ -274,7 +277,7 @@ class _Reconciler:
         self.status.weights = decision.committed
         self.status.weights_version = decision.committed.version if decision.committed else None
         self.status.barrier_history = barrier.remember(self.status.barrier_history, decision.record)
-        actors = [m.loaded_version or 0 for m in members if m.name.startswith(f"{self.job.name}-{keys.ACTOR}-")]
+        actors = [m.loaded_version or 0 for name, m in members.items() if _role(live[name]) == keys.ACTOR]
         self.status.lag = announced.version - min(actors) if announced is not None and actors else None
         for note in decision.notes:
             self.event("WeightUpdate", note)
@@ -360,7 +363,7 @@ class _Reconciler:
 
     def count(self, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:
         def replicas(role: str, wanted: int) -> ReplicaStatus:
-            ready = sum(1 for p in live.values() if p["metadata"]["labels"].get(keys.ROLE) == role and pod_ready(p))
+            ready = sum(1 for p in live.values() if _role(p) == role and pod_ready(p))
             return ReplicaStatus(desired=wanted, ready=ready, summary=f"{ready}/{wanted}")
 
         self.status.actors = replicas(keys.ACTOR, spec.actors.replicas)
