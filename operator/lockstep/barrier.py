@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -28,6 +28,7 @@ from lockstep.api import (
 )
 from lockstep.times import parse_rfc3339, rfc3339
 
+DocumentT = TypeVar("DocumentT", Weights, Command, Ack)
 HISTORY_LENGTH = 10
 ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
 NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
@@ -66,15 +67,22 @@ def _annotations(pod: dict[str, Any]) -> dict[str, str]:
     return pod["metadata"].get("annotations") or {}
 
 
-def announced_by(trainer: dict[str, Any]) -> Weights | str | None:
-    """The weights the trainer announced on its pod, an explanation of why they are unreadable, or None."""
-    text = _annotations(trainer).get(keys.WEIGHTS)
+def read_document(text: str | None, kind: type[DocumentT]) -> DocumentT | str | None:
+    """A protocol document from an annotation: the document, why it is unusable, or None when absent."""
     if text is None:
         return None
     try:
-        return Weights.model_validate(json.loads(text))
+        document = kind.model_validate(json.loads(text))
     except (ValueError, ValidationError) as error:
-        return f"is not a valid weights document ({str(error).splitlines()[0]})"
+        return f"is not a valid {kind.__name__} document ({str(error).splitlines()[0]})"
+    if document.protocol != PROTOCOL:
+        return f"speaks barrier protocol {document.protocol}; this version speaks {PROTOCOL}"
+    return document
+
+
+def announced_by(trainer: dict[str, Any]) -> Weights | str | None:
+    """The weights the trainer announced on its pod, why they are unreadable, or None."""
+    return read_document(_annotations(trainer).get(keys.WEIGHTS), Weights)
 
 
 def member_of(pod: dict[str, Any]) -> Member:
@@ -88,16 +96,8 @@ def member_of(pod: dict[str, Any]) -> Member:
 
 
 def parse_ack(text: str | None) -> Ack | str | None:
-    """The ack, an explanation of why it is unusable, or None when there is none."""
-    if text is None:
-        return None
-    try:
-        ack = Ack.model_validate(json.loads(text))
-    except (ValueError, ValidationError) as error:
-        return f"is not a valid ack document ({str(error).splitlines()[0]})"
-    if ack.protocol != PROTOCOL:
-        return f"speaks barrier protocol {ack.protocol}; this operator speaks {PROTOCOL}"
-    return ack
+    """The ack, why it is unusable, or None when there is none."""
+    return read_document(text, Ack)
 
 
 def step(

@@ -229,8 +229,6 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.label_selectors["pods"] = keys.POD_SELECTOR
     # Lockstep posts its own Events; kopf's per-handler log Events would only be noise.
     settings.posting.enabled = False
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=keys.DOMAIN)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=keys.DOMAIN)
     # A periodic pass over every job, in case an event was missed. Not a kopf timer: kopf puts a
     # finalizer on every object with a timer, and an RLJob must never wait on the operator to go away.
     threading.Thread(target=_resync_periodically, name="resync", daemon=True).start()

@@ -78,7 +78,7 @@ def test_stale_and_unreadable_acks_are_ignored_and_reported_once() -> None:
     stale = json.dumps({"protocol": 1, "id": "job/0/1", "phase": "Paused"})
     assert run(barrier.model_copy(deep=True), {"a": stale}).barrier.phase is BarrierPhase.PAUSE  # type: ignore[union-attr]
     first = run(barrier, {"a": "{oops"})
-    assert any("ignored the ack on a: it is not a valid ack document" in note for note in first.notes)
+    assert any("ignored the ack on a: it is not a valid Ack document" in note for note in first.notes)
     again = run(first.barrier, {"a": "{oops"})
     assert not again.notes, "an invalid ack is reported once, not on every pass"
 

@@ -17,7 +17,7 @@ from kubernetes import client, watch
 
 from lockstep import keys
 from lockstep.api import Ack, BarrierPhase, Command, Weights
-from lockstep.barrier import ACK_FOR, document
+from lockstep.barrier import ACK_FOR, document, read_document
 
 logger = logging.getLogger("lockstep.agent")
 
@@ -86,14 +86,11 @@ class AgentCore:
 
 def command_from(annotations: dict[str, Any]) -> Command | None:
     """The command on a pod, or None when there is none or it cannot be read (logged)."""
-    text = annotations.get(keys.BARRIER)
-    if text is None:
+    command = read_document(annotations.get(keys.BARRIER), Command)
+    if isinstance(command, str):
+        logger.error("ignoring the barrier command on this pod: it %s", command)
         return None
-    try:
-        return Command.model_validate(json.loads(text))
-    except ValueError as error:
-        logger.error("ignoring an unreadable barrier command %r: %s", text, error)
-        return None
+    return command
 
 
 class PodAgent:
