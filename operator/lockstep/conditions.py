@@ -7,6 +7,9 @@ from lockstep.api import Condition, ConditionStatus
 
 READY = "Ready"
 PARITY_LOCKED = "ParityLocked"
+# kstatus (Flux, kubectl wait, cli-utils) reads these two beside Ready.
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
 
 
 def find(conditions: list[Condition], type_: str) -> Condition | None:

@@ -22,7 +22,7 @@ from lockstep.api import (
     RLJobStatus,
     WeightSyncBackend,
 )
-from lockstep.conditions import PARITY_LOCKED, READY, find, set_condition
+from lockstep.conditions import PARITY_LOCKED, READY, RECONCILING, STALLED, find, set_condition
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
 from lockstep.times import parse_rfc3339, rfc3339
 
@@ -31,7 +31,20 @@ FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 # Condition reasons whose transition Event is a Warning even though the condition is True, and
 # False ones that are ordinary progress rather than trouble.
 WARNING_REASONS = frozenset({"LockedValuesApplied"})
-BENIGN_REASONS = frozenset({"PodsNotReady", "Suspended", "TrainerSucceeded"})
+BENIGN_REASONS = frozenset({"PodsNotReady", "Suspended"})
+# Ready=False reasons that need a person (fix the spec or the policy, or recreate the job): Stalled, for kstatus.
+STALLED_REASONS = frozenset(
+    {
+        "InvalidSpec",
+        "ConflictsWithPolicy",
+        "PolicyNotFound",
+        "NoDefaultPolicy",
+        "AmbiguousDefaultPolicy",
+        "PolicyNotApplicable",
+        "RestartLimitExceeded",
+        "WeightUpdateFailed",
+    }
+)
 
 
 def restart_backoff_seconds(restarts: int, base: float = 10.0) -> float:
@@ -345,8 +358,7 @@ class _Reconciler:
         self.status.phase = phase
         self.status.finished_time = self.now
         self.delete_all_pods(f"the job {phase.value.lower()}")
-        self.condition(READY, False, reason, message)
-        self.event(reason, message, warning=phase is Phase.FAILED)
+        self.condition(READY, phase is Phase.SUCCEEDED, reason, message)
         self.count(spec, {})
         self.expire(spec)
 
@@ -372,6 +384,21 @@ class _Reconciler:
     def readiness_message(self) -> str:
         return f"{self.status.actors.summary} actors and {self.status.trainer.summary} trainer pods ready"
 
+    def summarize_for_gitops(self) -> None:
+        """Stalled and Reconciling, as kstatus reads them: both follow from Ready (so no Events of their own)."""
+        ready = find(self.status.conditions, READY)
+        if ready is None:
+            return
+        stalled = ready.status.value == "False" and ready.reason in STALLED_REASONS
+        reconciling = ready.status.value == "False" and not stalled and ready.reason != "Suspended"
+        self.condition(STALLED, stalled, ready.reason if stalled else "NotStalled", ready.message if stalled else "")
+        self.condition(
+            RECONCILING,
+            reconciling,
+            ready.reason if reconciling else "Reconciled",
+            ready.message if reconciling else "",
+        )
+
     def finish(self) -> Plan:
         """Add an Event for each phase or condition transition."""
         if self.status.phase != self.old.phase:
@@ -384,6 +411,7 @@ class _Reconciler:
                 )
                 message = f"{condition.type}={condition.status.value}: {condition.message}"
                 self.event(condition.reason, message, warning=warning)
+        self.summarize_for_gitops()
         if self.plan.create_pods:
             names = [p["metadata"]["name"] for p in self.plan.create_pods]
             self.event("CreatingPods", f"creating {len(names)} pod(s): {_abbreviate(names)}")

@@ -265,3 +265,23 @@ def test_announced_weights_run_a_barrier_to_the_new_version() -> None:
     grown = plan_for({**body, "spec": {**body["spec"], "actors": {"image": "lockstep/actor:dev", "replicas": 3}}}, pods)
     created = grown.create_pods[0]["metadata"]["annotations"][keys.INITIAL_WEIGHTS]
     assert json.loads(created)["version"] == 3, "a new pod starts from the committed weights"
+
+
+def test_stalled_and_reconciling_follow_ready_for_kstatus() -> None:
+    def gitops(plan: Plan) -> tuple[tuple[str, str], ...]:
+        return tuple(condition(plan, kind) for kind in ("Ready", "Reconciling", "Stalled"))
+
+    first = plan_for(job())
+    assert gitops(first) == (("False", "PodsNotReady"), ("True", "PodsNotReady"), ("False", "NotStalled"))
+    body, pods = settle(job())
+    assert gitops(plan_for(body, pods)) == (("True", "AllPodsReady"), ("False", "Reconciled"), ("False", "NotStalled"))
+    conflicting = plan_for(job(actors={"image": "a", "vllm": {"logprobsMode": "raw_logprobs"}}))
+    assert gitops(conflicting)[2] == ("True", "ConflictsWithPolicy")
+    assert gitops(conflicting)[1] == ("False", "Reconciled")
+    suspended = plan_for({**body, "spec": {**body["spec"], "suspend": True}}, pods)
+    assert gitops(suspended) == (("False", "Suspended"), ("False", "Reconciled"), ("False", "NotStalled"))
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    done = plan_for(body, pods)
+    assert gitops(done) == (("True", "TrainerSucceeded"), ("False", "Reconciled"), ("False", "NotStalled"))
+    reasons = [e.reason for e in done.events]
+    assert reasons.count("TrainerSucceeded") == 1, "one Event for the transition, not two"
