@@ -65,6 +65,13 @@ class Conflict:
     def describe(self) -> str:
         return f"spec.actors.vllm.{self.key}={_show(self.requested)} (locked to {_show(self.locked)})"
 
+    def refusal(self, policy: str) -> str:
+        """The API server's words when an Enforce policy refuses it (the CEL in crds/admission-parity.yaml)."""
+        return (
+            f"spec.actors.vllm.{self.key}: ParityPolicy '{policy}' (Enforce) locks it to {_cel_show(self.locked)}; "
+            "remove the key or set it to that value"
+        )
+
 
 @dataclass(frozen=True)
 class EffectiveConfig:
@@ -95,6 +102,15 @@ class EffectiveConfig:
     @property
     def refused(self) -> bool:
         return bool(self.conflicts) and self.enforcement is Enforcement.ENFORCE
+
+
+def _cel_show(value: Any) -> str:
+    """A value as CEL's string() writes it: false, 0.5, processed_logprobs, {head_dtype: float32}."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_cel_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def _show(value: Any) -> str:

@@ -1,0 +1,104 @@
+"""The lockstep CLI says offline what the cluster says: the same words for the same bad RLJob."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from lockstep_e2e import build
+from lockstep_e2e.agents import running_agents
+from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.fixtures import wait_for
+from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
+
+BAD_SPECS = {
+    "negative replicas": {"actors": {"image": "a", "replicas": -1}},
+    "wrong kwarg type": {"actors": {"image": "a", "vllm": {"maxModelLen": "long"}}},
+    "out of range": {"actors": {"image": "a", "vllm": {"gpuMemoryUtilization": 1.5}}},
+    "missing image": {"actors": {"replicas": 1}},
+    "unknown algorithm": {"trainer": {"image": "t", "objective": {"algorithm": "dpo"}}},
+    "unknown field": {"actors": {"image": "a", "vlm": {}}},
+    "locked key": {"actors": {"image": "a", "vllm": {"logprobsMode": "raw_logprobs", "asyncScheduling": True}}},
+}
+
+
+def lockstep_cli(*args: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **({"KUBECONFIG": str(kubeconfig)} if kubeconfig else {})}
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep.cli", *args], capture_output=True, text=True, check=False, env=env
+    )
+
+
+@pytest.mark.parametrize("case", list(BAD_SPECS))
+def test_validate_says_what_the_api_server_says(
+    cluster: LocalCluster, namespace: str, tmp_path: Path, case: str
+) -> None:
+    body: dict[str, Any] = rljob("bad")
+    body["spec"].update(BAD_SPECS[case])
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+
+    offline = lockstep_cli("validate", str(manifest))
+    assert offline.returncode == 1
+    lines = [line.strip() for line in offline.stdout.splitlines()[1:]]
+    assert lines, offline.stdout
+
+    applied = subprocess.run(
+        [
+            str(build.bin_dir() / "kubectl"),
+            f"--kubeconfig={cluster.kubeconfig}",
+            "create",
+            "-n",
+            namespace,
+            "-f",
+            str(manifest),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert applied.returncode != 0, "the API server accepted what validate refused"
+    # The API server lists every schema error, but stops at the first refusing admission validation
+    # (keys in VllmSettings order); validate lists every conflict, in that order.
+    said = lines
+    if case == "locked key":
+        assert len(lines) == 2, "validate names both conflicting keys"
+        said = lines[:1]
+    for line in said:
+        assert line in applied.stderr, f"{line!r} is not what the API server said:\n{applied.stderr}"
+
+
+def test_validate_accepts_the_sample_and_render_prints_the_locked_arguments() -> None:
+    sample = Path(__file__).resolve().parents[2] / "examples" / "rljob-tiny.yaml"
+    assert lockstep_cli("validate", str(sample)).returncode == 0
+    rendered = lockstep_cli("render", str(sample)).stdout.splitlines()
+    assert rendered[0].startswith("# ParityPolicy 'default'; fingerprint sha256:")
+    assert "--logprobs-mode=processed_logprobs" in rendered[1].split()
+    assert "--max-model-len=512" in rendered[1].split()
+
+
+def test_status_shows_phase_parity_and_barrier_history(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str
+) -> None:
+    create_job(kube, namespace, rljob("shown", actors=2))
+    wait_for(lambda: phase(get_job(kube, namespace, "shown")) == "Running", "RLJob shown to run")
+    with running_agents(kube, namespace, ["shown-actor-0", "shown-actor-1"]):
+        announce_weights(kube, namespace, "shown", 1)
+        wait_for(lambda: get_job(kube, namespace, "shown")["status"].get("weightsVersion") == 1, "version 1")
+    shown = lockstep_cli("status", "shown", "-n", namespace, kubeconfig=cluster.kubeconfig)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"RLJob {namespace}/shown: Running, weights version 1, lag 0"
+    assert any(line.startswith("  ParityLocked=True (Locked)") for line in lines)
+    assert any(
+        line.startswith("  v1 Completed in ") and "Pause" in line and "slowest shown-actor-" in line for line in lines
+    )

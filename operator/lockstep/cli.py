@@ -1,0 +1,176 @@
+"""The ``lockstep`` command line.
+
+- ``lockstep validate FILE [--policy FILE]``: check an RLJob offline against the schema and a
+  ParityPolicy, with the messages the API server and the operator would give.
+- ``lockstep render FILE [--policy FILE]``: the effective vLLM arguments and config fingerprint.
+- ``lockstep status NAME [-n NAMESPACE]``: a job's phase, parity state and barrier history (uses
+  $KUBECONFIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from lockstep import api, crds
+from lockstep.api import ParityPolicy, RLJobSpec
+from lockstep.parity import EffectiveConfig, default_policy, effective_config, vllm_cli_args
+
+_JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", dict: "object", list: "array"}
+
+
+def _number(value: Any) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _quoted(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str) else _number(value)
+
+
+def _schema_at(path: tuple[str | int, ...]) -> dict[str, Any]:
+    node = crds.structural_schema(RLJobSpec)
+    for part in path:
+        node = node["items"] if isinstance(part, int) else node.get("properties", {}).get(part, {})
+    return node
+
+
+def schema_errors(spec: dict[str, Any]) -> list[str]:
+    """What the API server says of an invalid spec, one line per field, in its own words."""
+    try:
+        RLJobSpec.model_validate_json(json.dumps(spec), strict=True)
+    except ValidationError as error:
+        return [_api_server_message(e) for e in error.errors()]
+    return []
+
+
+def _api_server_message(error: Any) -> str:
+    loc: tuple[str | int, ...] = tuple(error["loc"])
+    field = ".".join(["spec", *(str(p) for p in loc)])
+    value, kind, node = error.get("input"), error["type"], _schema_at(loc)
+    if kind == "missing":
+        return f"{field}: Required value"
+    if kind == "extra_forbidden":
+        return f'unknown field "{field}"'
+    if kind == "enum" or "enum" in node:
+        supported = ", ".join(json.dumps(v) for v in node.get("enum", []))
+        return f"{field}: Unsupported value: {_quoted(value)}: supported values: {supported}"
+    bounds = {
+        "greater_than_equal": ("greater than or equal to", "ge"),
+        "greater_than": ("greater than", "gt"),
+        "less_than_equal": ("less than or equal to", "le"),
+        "less_than": ("less than", "lt"),
+    }
+    if kind in bounds:
+        words, key = bounds[kind]
+        limit = _number(error["ctx"][key])
+        return f"{field}: Invalid value: {_quoted(value)}: {field} in body should be {words} {limit}"
+    if kind == "string_too_short":
+        least = node.get("minLength")
+        return f"{field}: Invalid value: {_quoted(value)}: {field} in body should be at least {least} chars long"
+    given = _JSON_TYPES.get(type(value), "null")
+    return f'{field}: Invalid value: "{given}": {field} in body must be of type {node.get("type")}: "{given}"'
+
+
+def _load(path: Path) -> dict[str, Any]:
+    document = yaml.safe_load(path.read_text())
+    if not isinstance(document, dict):
+        raise SystemExit(f"{path}: not a YAML mapping")
+    return document
+
+
+def _policy(path: Path | None) -> ParityPolicy:
+    return ParityPolicy.model_validate(_load(path)) if path else default_policy()
+
+
+def _config(job: dict[str, Any], policy: ParityPolicy) -> EffectiveConfig | list[str]:
+    errors = schema_errors(job.get("spec") or {})
+    if job.get("kind") != "RLJob" or job.get("apiVersion") != api.API_VERSION:
+        errors.insert(
+            0, f"expected apiVersion {api.API_VERSION} and kind RLJob, got {job.get('apiVersion')}/{job.get('kind')}"
+        )
+    if errors:
+        return errors
+    return effective_config(RLJobSpec.model_validate(job["spec"]), policy)
+
+
+def validate(args: argparse.Namespace) -> int:
+    policy = _policy(args.policy)
+    config = _config(_load(args.file), policy)
+    if isinstance(config, list):
+        print(f"{args.file}: refused by the API server:", *config, sep="\n  ")
+        return 1
+    name, enforcement = policy.metadata.get("name", ""), config.enforcement.value
+    if config.refused:
+        print(f"{args.file}: refused by the API server:", *(c.refusal(name) for c in config.conflicts), sep="\n  ")
+        return 1
+    for conflict in config.conflicts:
+        print(f"{args.file}: ParityPolicy {name!r} ({enforcement}) differs: {conflict.describe()}")
+    print(f"{args.file}: valid under ParityPolicy {name!r} ({enforcement}); fingerprint {config.fingerprint}")
+    return 0
+
+
+def render(args: argparse.Namespace) -> int:
+    config = _config(_load(args.file), _policy(args.policy))
+    if isinstance(config, list):
+        print(*config, sep="\n")
+        return 1
+    print(f"# ParityPolicy {config.policy!r}; fingerprint {config.fingerprint}")
+    print(" ".join(vllm_cli_args(config.vllm)))
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    from kubernetes import client, config
+
+    config.load_kube_config()
+    custom = client.CustomObjectsApi()
+    job: dict[str, Any] = custom.get_namespaced_custom_object(  # type: ignore[assignment]
+        api.GROUP, api.VERSION, args.namespace, api.RLJOBS, args.name
+    )
+    print(describe_status(f"{args.namespace}/{args.name}", job.get("status") or {}))
+    return 0
+
+
+def describe_status(name: str, state: dict[str, Any]) -> str:
+    """A job's phase, conditions, barrier in flight and barrier history, in lines for a terminal."""
+    weights = f"weights version {state.get('weightsVersion')}, lag {state.get('lag')}"
+    lines = [f"RLJob {name}: {state.get('phase', 'Pending')}, {weights}"]
+    for condition in state.get("conditions", []):
+        lines.append(f"  {condition['type']}={condition['status']} ({condition['reason']}): {condition['message']}")
+    if barrier := state.get("barrier"):
+        acked = f"{len(barrier.get('acked', []))}/{len(barrier['members'])}"
+        lines.append(f"  barrier in flight: version {barrier['version']}, phase {barrier['phase']}, acked {acked}")
+    for record in state.get("barrierHistory", []):
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in record["phaseSeconds"].items())
+        took = f"{record['seconds']:.2f} s ({phases})"
+        lines.append(f"  v{record['version']} {record['outcome']} in {took}; slowest {record.get('slowestPod')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lockstep", description=__doc__.splitlines()[0] if __doc__ else None)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    for name, handler, text in (
+        ("validate", validate, "check an RLJob file offline against the schema and a ParityPolicy"),
+        ("render", render, "print the effective vLLM arguments of an RLJob file"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("file", type=Path)
+        command.add_argument("--policy", type=Path, help="a ParityPolicy file (default: the shipped default policy)")
+        command.set_defaults(handler=handler)
+    command = commands.add_parser("status", help="show a job's phase, parity state and barrier history")
+    command.add_argument("name")
+    command.add_argument("-n", "--namespace", default="default")
+    command.set_defaults(handler=status)
+    args = parser.parse_args(argv)
+    sys.exit(args.handler(args))
+
+
+if __name__ == "__main__":
+    main()
