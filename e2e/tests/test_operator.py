@@ -17,6 +17,7 @@ from lockstep import keys
 from lockstep_e2e import build
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import wait_for
+from lockstep_e2e.install import raw
 from lockstep_e2e.jobs import (
     POLICIES,
     condition,
@@ -374,3 +375,61 @@ def test_operator_lists_and_watches_only_its_own_pods(
     for request in requests:
         selector = urllib.parse.parse_qs(request.query)["labelSelector"][0]
         assert keys.POD_SELECTOR in selector.split(","), request
+
+
+def test_kueue_style_admission_by_unsuspending(kube: client.ApiClient, namespace: str) -> None:
+    """Kueue creates jobs suspended, may set node selectors while they wait, then admits them by
+    setting suspend to false; to preempt, it suspends them again and expects the pods to go."""
+    create_job(kube, namespace, rljob("queued", actors=2, suspend=True))
+    job = wait_phase(kube, namespace, "queued", "Suspended")
+    assert not pod_names(kube, namespace, "queued"), "a suspended job holds no pods"
+    assert condition(job, "Ready")["reason"] == "Suspended"
+
+    flavor = {"cloud.example.com/accelerator": "h200"}
+    patch_job(
+        kube, namespace, "queued", {"spec": {"actors": {"nodeSelector": flavor}, "trainer": {"nodeSelector": flavor}}}
+    )
+    patch_job(kube, namespace, "queued", {"spec": {"suspend": False}})
+    wait_for(lambda: len(pod_names(kube, namespace, "queued")) == 3, "the admitted job's pods")
+    assert all(p.spec.node_selector == flavor for p in job_pods(kube, namespace, "queued"))
+
+    patch_job(kube, namespace, "queued", {"spec": {"suspend": True}})
+    wait_for(lambda: not pod_names(kube, namespace, "queued"), "the preempted job's pods to go")
+    status = wait_phase(kube, namespace, "queued", "Suspended")["status"]
+    assert status["restarts"] == 0 and status["configFingerprint"], "suspension is not a failure; status is kept"
+
+
+def test_server_side_apply_by_two_managers_never_fights_the_operator(kube: client.ApiClient, namespace: str) -> None:
+    """GitOps tools own the spec; the operator writes only status (the status subresource)."""
+    custom = client.CustomObjectsApi(kube)
+
+    def apply(manager: str, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(
+            raw(
+                custom.patch_namespaced_custom_object(
+                    "lockstep.dev",
+                    "v1alpha1",
+                    namespace,
+                    "rljobs",
+                    "gitops",
+                    body,
+                    field_manager=manager,
+                    _content_type="application/apply-patch+yaml",
+                    _preload_content=False,
+                )
+            )
+        )
+
+    body = rljob("gitops", actors=1)
+    apply("argocd", body)
+    wait_phase(kube, namespace, "gitops", "Running")
+    apply("argocd", body)  # a re-sync after the operator wrote status: no conflict
+    apply(
+        "kueue",
+        {"apiVersion": body["apiVersion"], "kind": "RLJob", "metadata": {"name": "gitops"}, "spec": {"suspend": True}},
+    )
+    job = wait_phase(kube, namespace, "gitops", "Suspended")
+    owners = {(m["manager"], m.get("subresource", "")) for m in job["metadata"]["managedFields"]}
+    assert ("argocd", "") in owners and ("kueue", "") in owners
+    operator_entries = [m for m in job["metadata"]["managedFields"] if m["manager"] not in ("argocd", "kueue")]
+    assert operator_entries and all(m.get("subresource") == "status" for m in operator_entries), operator_entries
