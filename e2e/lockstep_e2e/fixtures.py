@@ -11,7 +11,7 @@ import psutil
 import pytest
 from kubernetes import client
 
-from lockstep_e2e.cluster import Component, LocalCluster
+from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import install, start_operator
 
 
@@ -56,8 +56,17 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = 60.0, 
 
 
 @pytest.fixture(scope="session")
+def operator_metrics_port() -> int:
+    """Where the session's operator serves its Prometheus metrics."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
 def lockstep(
-    cluster: LocalCluster, kube: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+    cluster: LocalCluster,
+    kube: client.ApiClient,
+    tmp_path_factory: pytest.TempPathFactory,
+    operator_metrics_port: int,
 ) -> Iterator[Component]:
     """Lockstep installed (CRDs, admission policies, default ParityPolicy) and its operator running.
 
@@ -65,6 +74,6 @@ def lockstep(
     """
     install(kube)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    operator = start_operator(cluster, log, "--restart-backoff-seconds=1")
+    operator = start_operator(cluster, log, "--restart-backoff-seconds=1", f"--metrics-port={operator_metrics_port}")
     yield operator
     operator.stop()

@@ -1,3 +1,3 @@
-from lockstep_e2e.fixtures import cluster, kube, lockstep, namespace
+from lockstep_e2e.fixtures import cluster, kube, lockstep, namespace, operator_metrics_port
 
-__all__ = ["cluster", "kube", "lockstep", "namespace"]
+__all__ = ["cluster", "kube", "lockstep", "namespace", "operator_metrics_port"]

@@ -21,10 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
+import prometheus_client
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from lockstep import api, keys
+from lockstep import api, keys, metrics
+from lockstep.api import RLJobStatus
 from lockstep.reconcile import Observed, Plan, reconcile
 
 RLJOBS = (api.GROUP, api.VERSION, api.RLJOBS)
@@ -67,11 +69,15 @@ class Shell:
             self._running.add(key)
         try:
             while True:
-                self._reconcile_once(key)
+                with metrics.RECONCILE_SECONDS.time():
+                    self._reconcile_once(key)
                 with self._guard:
                     if key not in self._dirty:
                         return
                     self._dirty.discard(key)
+        except Exception:
+            metrics.RECONCILE_ERRORS.inc()
+            raise
         finally:
             with self._guard:
                 self._running.discard(key)
@@ -95,6 +101,7 @@ class Shell:
         except ApiException as error:
             if error.status == 404:
                 self._applied_children.pop(key, None)
+                metrics.forget(namespace, name)
                 return
             raise
         pods = _json(
@@ -105,7 +112,9 @@ class Shell:
         policies = _json(self.custom.list_cluster_custom_object(*POLICIES, _preload_content=False))["items"]
         labels = _json(self.core.read_namespace(namespace, _preload_content=False))["metadata"].get("labels", {})
         plan = reconcile(Observed(job, pods, policies, labels, dt.datetime.now(dt.UTC), self.backoff_base_seconds))
+        before = RLJobStatus.model_validate(job.get("status") or {})
         self._apply(key, job, plan)
+        metrics.record(namespace, name, before, plan.status)
 
     def _apply(self, key: JobKey, job: dict[str, Any], plan: Plan) -> None:
         namespace, name = key
@@ -268,6 +277,7 @@ def policy_changed(**_: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lockstep.controller", description=__doc__.splitlines()[0])
     parser.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (all addresses)")
     parser.add_argument(
         "--restart-backoff-seconds",
         type=float,
@@ -276,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     options = parser.parse_args(argv, namespace=_options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if options.metrics_port:
+        prometheus_client.start_http_server(options.metrics_port)
     kopf.run(clusterwide=True, standalone=True, liveness_endpoint=options.liveness)
 
 
