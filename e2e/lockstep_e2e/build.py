@@ -22,6 +22,7 @@ from pathlib import Path
 KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
 KWOK_VERSION = "v0.8.0"
+HELM_VERSION = "v4.3.2"
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 BINARIES = (*KUBERNETES_COMMANDS, "etcd", "kwok")
@@ -47,6 +48,30 @@ def cache_root() -> Path:
 def bin_dir() -> Path:
     """Where the binaries of the pinned versions live."""
     return cache_root() / f"k8s-{KUBERNETES_VERSION}-etcd-{ETCD_VERSION}-kwok-{KWOK_VERSION}" / "bin"
+
+
+def helm_path() -> Path:
+    """The helm binary, built from helm.sh/helm/v4 (its own cache folder, by version)."""
+    return cache_root() / f"helm-{HELM_VERSION}" / "bin" / "helm"
+
+
+def build_helm() -> Path:
+    """Build helm unless it is cached; return its path."""
+    target = helm_path()
+    if not target.is_file():
+        _step(f"building helm {HELM_VERSION} (a few minutes on 2 cores)")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        version = f"-X helm.sh/helm/v4/internal/version.version={HELM_VERSION}"
+        _go(
+            "install",
+            "-trimpath",
+            "-ldflags",
+            f"-s -w {version}",
+            f"helm.sh/helm/v4/cmd/helm@{HELM_VERSION}",
+            cwd=target.parent,
+            env={"GOBIN": str(target.parent)},
+        )
+    return target
 
 
 def _step(message: str) -> None:
@@ -144,3 +169,4 @@ def build() -> Path:
 
 if __name__ == "__main__":
     print(build())
+    print(build_helm())

@@ -221,7 +221,7 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
     }
 
 
-def barrier_manifests() -> list[dict[str, Any]]:
+def barrier_manifests(operator_username: str = keys.OPERATOR_USERNAME) -> list[dict[str, Any]]:
     """The barrier policy and its binding."""
     binding = {
         "apiVersion": ADMISSION_API_VERSION,
@@ -229,4 +229,4 @@ def barrier_manifests() -> list[dict[str, Any]]:
         "metadata": {"name": BARRIER_POLICY},
         "spec": {"policyName": BARRIER_POLICY, "validationActions": ["Deny"]},
     }
-    return [barrier_policy(), binding]
+    return [barrier_policy(operator_username), binding]

@@ -6,8 +6,8 @@ from lockstep import crds
 
 
 def test_committed_manifests_match_the_models() -> None:
-    stale = [name for name, text in crds.rendered().items() if (crds.CRD_DIR / name).read_text() != text]
-    assert not stale, f"crds/ is out of date for {stale}; run `python -m lockstep.crds`"
+    stale = [name for name, text in crds.rendered().items() if (crds.REPO / name).read_text() != text]
+    assert not stale, f"{stale} are out of date; run `python -m lockstep.crds`"
 
 
 def test_printer_columns_select_conditions_by_type() -> None:
