@@ -1,0 +1,205 @@
+"""The rollout actor: vLLM V1's AsyncLLM in this process, a small HTTP API for rollouts, and the
+barrier agent that pauses, reloads and resumes it.
+
+``python -m lockstep_workers.actor --model=PATH --port=8000 [vLLM flags rendered by the operator]``
+
+HTTP: ``POST /generate`` ({"prompt_token_ids": [...], "sampling": {...}} → token ids, their
+processed logprobs and the weights version each token was sampled under), ``GET /ready`` (200 once
+the newest weights are loaded), ``GET /metrics`` (Prometheus). Nothing else: vLLM's dev-mode
+endpoints (/collective_rpc and friends) do not exist here; weights are reloaded only through the
+barrier agent, which acts on commands the operator writes on this pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
+
+from lockstep.api import PauseMode, VllmSettings, Weights, WeightUpdateSemantics
+from lockstep.parity import settings_dict
+from lockstep_workers.weights import verified_path
+
+logger = logging.getLogger("lockstep.actor")
+
+TOKENS = Counter("lockstep_actor_generated_tokens_total", "Tokens this actor sampled.")
+WEIGHTS_VERSION = Gauge("lockstep_actor_weights_version", "The weights version this actor serves.")
+PAUSED = Gauge("lockstep_actor_paused", "1 while a weight update holds generation.")
+
+
+def _flag(name: str) -> str:
+    return "--" + "".join("-" + c.lower() if c.isupper() else c for c in name)
+
+
+def settings_parser() -> argparse.ArgumentParser:
+    """Flags for every VllmSettings field, spelled as the operator renders them (lockstep.parity.vllm_cli_args)."""
+    parser = argparse.ArgumentParser(prog="python -m lockstep_workers.actor", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="path of the model to serve")
+    parser.add_argument("--port", type=int, default=8000)
+    for name, field in VllmSettings.model_fields.items():
+        alias = field.alias or name
+        kinds = {getattr(a, "__origin__", a) for a in getattr(field.annotation, "__args__", (field.annotation,))}
+        if bool in kinds:
+            parser.add_argument(_flag(alias), dest=name, action=argparse.BooleanOptionalAction, default=None)
+        elif dict in kinds:
+            parser.add_argument(_flag(alias), dest=name, type=json.loads, default=None)
+        else:
+            parser.add_argument(_flag(alias), dest=name, default=None)
+    return parser
+
+
+def engine_args(model: str, settings: VllmSettings) -> Any:
+    """vLLM's AsyncEngineArgs for the effective settings, with the weight-reload extension."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs = {name: value for name, value in settings.model_dump(mode="json").items() if value is not None}
+    return AsyncEngineArgs(model=model, worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader", **kwargs)
+
+
+class Actor:
+    """One AsyncLLM and the weights version it serves."""
+
+    def __init__(self, llm: Any, *, pause_mode: PauseMode = PauseMode.KEEP, clear_cache: bool = False) -> None:
+        self.llm = llm
+        self.pause_mode = pause_mode
+        self.clear_cache = clear_cache
+        self.version: int | None = None
+
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        """Sample a completion; each token carries the weights version it was sampled under."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**sampling, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int | None] = []
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        async for output in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+            completion = output.outputs[0]
+            for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
+                tokens.append(token)
+                logprobs.append(candidates[token].logprob)
+                versions.append(self.version)
+        TOKENS.inc(len(tokens))
+        return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions}
+
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode=self.pause_mode.value, clear_cache=self.clear_cache)
+        PAUSED.set(1)
+
+    async def load(self, weights: Weights) -> None:
+        """Check the digest, then reload the weights in place in every vLLM worker."""
+        path = verified_path(weights)
+        await self.llm.collective_rpc("lockstep_reload", args=(str(path),))
+        self.version = weights.version
+        WEIGHTS_VERSION.set(weights.version)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+        PAUSED.set(0)
+
+
+class LoopEngine:
+    """The agent's Engine (called from its thread), carried out on the actor's event loop."""
+
+    def __init__(self, actor: Actor, loop: asyncio.AbstractEventLoop) -> None:
+        self.actor = actor
+        self.loop = loop
+
+    def _run(self, work: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(work, self.loop).result()
+
+    def pause(self) -> None:
+        self._run(self.actor.pause())
+
+    def load(self, weights: Weights) -> None:
+        self._run(self.actor.load(weights))
+
+    def resume(self) -> None:
+        self._run(self.actor.resume())
+
+
+def application(actor: Actor, ready: threading.Event) -> web.Application:
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response(await actor.generate(list(body["prompt_token_ids"]), dict(body.get("sampling", {}))))
+
+    async def readiness(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"ready": ready.is_set(), "version": actor.version}, status=200 if ready.is_set() else 503
+        )
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", generate), web.get("/ready", readiness), web.get("/metrics", metrics)])
+    return app
+
+
+async def serve(options: argparse.Namespace) -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    settings = VllmSettings.model_validate(
+        {name: value for name, value in vars(options).items() if name in VllmSettings.model_fields}
+    )
+    update = WeightUpdateSemantics()
+    if config_file := os.environ.get("LOCKSTEP_CONFIG"):
+        update = WeightUpdateSemantics.model_validate(json.loads(Path(config_file).read_text())["weightUpdate"])
+    llm = AsyncLLM.from_engine_args(engine_args(options.model, settings))
+    actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache)
+    logger.info("vLLM is up with %s", settings_dict(settings))
+    ready = threading.Event()
+    stop = threading.Event()
+    if os.environ.get("POD_NAME"):
+        agent = _pod_agent(actor, asyncio.get_running_loop())
+        await asyncio.to_thread(agent.start)  # the newest committed weights, before ready
+        threading.Thread(target=agent.run, args=(stop,), name="barrier-agent", daemon=True).start()
+    ready.set()
+    runner = web.AppRunner(application(actor, ready))
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", options.port).start()
+    stopping = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # the kubelet's SIGTERM: shut vLLM's processes down too
+        asyncio.get_running_loop().add_signal_handler(signum, stopping.set)
+    try:
+        await stopping.wait()
+    finally:
+        stop.set()
+        await runner.cleanup()
+        llm.shutdown()
+
+
+def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop) -> Any:
+    from kubernetes import client, config
+
+    from lockstep_workers.agent import AgentCore, PodAgent
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    core = AgentCore(LoopEngine(actor, loop))
+    return PodAgent(core, client.CoreV1Api(), os.environ["POD_NAMESPACE"], os.environ["POD_NAME"])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(settings_parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()

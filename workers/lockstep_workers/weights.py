@@ -1,0 +1,66 @@
+"""The filesystem weight transport: safetensors files on a volume shared by the trainer and the actors.
+
+The trainer publishes version N as ``v000N.safetensors``: written to a temporary name, hashed,
+renamed into place (atomic), announced with its sha256; older versions beyond ``keep`` are removed.
+An actor opens a version only after checking the digest it was told.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lockstep.api import Weights
+
+
+class DigestMismatch(OSError):
+    """The file is not the one that was announced."""
+
+
+def digest_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            sha.update(block)
+    return f"sha256:{sha.hexdigest()}"
+
+
+def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int = 3) -> Weights:
+    """Write ``tensors`` as weights version ``version``; return what to announce."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"v{version:06d}.safetensors"
+    partial = directory / f".v{version:06d}.safetensors.partial"
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(partial))
+    digest = digest_of(partial)
+    os.replace(partial, final)
+    for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
+
+
+def local_path(weights: Weights) -> Path:
+    parsed = urlparse(weights.uri)
+    if parsed.scheme != "file":
+        raise ValueError(f"the filesystem transport reads file:// URIs, not {weights.uri!r}")
+    return Path(parsed.path)
+
+
+def verified_path(weights: Weights) -> Path:
+    """The file of ``weights``, after checking its digest."""
+    path = local_path(weights)
+    found = digest_of(path)
+    if found != weights.digest:
+        raise DigestMismatch(
+            f"{path} has digest {found}, but version {weights.version} was announced as {weights.digest}"
+        )
+    return path
+
+
+def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from load_file(str(path)).items()

@@ -1,0 +1,165 @@
+"""The vLLM actor keeps a long request running across pause → reload → resume, and every token's
+processed logprob matches the trainer's forward pass under the weights version it was sampled with."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+TEMPERATURE = 0.7
+
+
+def trainer_logprobs(model_dir: Path, state: dict[str, Any] | None, prompt: list[int], tokens: list[int]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lockstep.api import VllmSettings
+    from lockstep.parity import default_policy
+    from lockstep_workers.actor import Actor, engine_args
+    from lockstep_workers.tiny_model import create_tiny_llama
+    from lockstep_workers.weights import DigestMismatch, publish
+
+    model_dir = create_tiny_llama(tmp_path / "model")
+    base = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(7)
+    updated = {
+        name: t + 0.5 * torch.randn(t.shape, generator=generator) if "lm_head" in name else t
+        for name, t in base.items()
+    }
+    weights = publish(updated, tmp_path / "weights", version=1)
+
+    locked = default_policy().spec.vllm.model_dump()
+    settings = VllmSettings(
+        **{
+            **locked,
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 512,
+            "gpu_memory_utilization": 0.2,
+            "seed": 0,
+        }
+    )
+    prompt = [1, 10, 11, 12, 13]
+    sampling = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True, "seed": 3}
+
+    async def scenario() -> dict[str, Any]:
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), settings))
+        actor = Actor(llm)
+        actor.version = 0
+        try:
+            request = asyncio.create_task(actor.generate(prompt, sampling))
+            await asyncio.sleep(0.5)
+            await actor.pause()
+            wrong = weights.model_copy(update={"digest": "sha256:" + "0" * 64})
+            with pytest.raises(DigestMismatch):
+                await actor.load(wrong)
+            assert actor.version == 0, "a refused load changes nothing"
+            await actor.load(weights)
+            await actor.resume()
+            return await request
+        finally:
+            llm.shutdown()
+
+    result = asyncio.run(scenario())
+    tokens, logprobs, versions = result["token_ids"], result["logprobs"], result["weights_versions"]
+    assert len(tokens) == 300
+    switch = versions.index(1)
+    assert 0 < switch < 300 and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}, (
+        "the request must have run before and after the update"
+    )
+    before = trainer_logprobs(model_dir, None, prompt, tokens)
+    after = trainer_logprobs(model_dir, updated, prompt, tokens)
+    sampled = torch.tensor(logprobs)
+    assert (sampled[:switch] - before[:switch]).abs().max().item() < 1e-3
+    assert (sampled[switch:] - after[switch:]).abs().max().item() < 1e-3, "tokens after the update use the new weights"
+    assert (sampled[switch:] - before[switch:]).abs().max().item() > 0.05, "the new weights really differ"
+
+
+def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    import psutil
+
+    from lockstep.parity import default_policy, settings_dict, vllm_cli_args
+    from lockstep_e2e.cluster import free_port
+    from lockstep_workers.tiny_model import create_tiny_llama
+
+    model_dir = create_tiny_llama(tmp_path / "model")
+    port = free_port()
+    # The arguments exactly as the operator renders them for an actor pod under the default policy.
+    vllm = {
+        **settings_dict(default_policy().spec.vllm),
+        "dtype": "float32",
+        "enforceEager": True,
+        "maxModelLen": 256,
+        "gpuMemoryUtilization": 0.2,
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "lockstep_workers.actor",
+        f"--model={model_dir}",
+        f"--port={port}",
+        *vllm_cli_args(vllm),
+    ]
+    log = (tmp_path / "actor.log").open("w")
+    actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert actor.poll() is None, (tmp_path / "actor.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the actor did not become ready"
+            try:
+                with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
+                    if json.loads(response.read())["ready"]:
+                        break
+            except OSError:
+                time.sleep(1)
+        body = json.dumps(
+            {"prompt_token_ids": [1, 5, 6], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
+        ).encode()
+        request = urllib.request.Request(f"{base}/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            result = json.loads(response.read())
+        assert len(result["token_ids"]) == len(result["logprobs"]) == len(result["weights_versions"]) == 8
+        assert all(lp <= 0 for lp in result["logprobs"])
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
+            assert "lockstep_actor_generated_tokens_total 8.0" in response.read().decode()
+        for path in ("/collective_rpc", "/reset_prefix_cache", "/v1/completions"):
+            with pytest.raises(urllib.error.HTTPError) as missing:
+                urllib.request.urlopen(urllib.request.Request(f"{base}{path}", data=b"{}"), timeout=5)
+            assert missing.value.code in (404, 405)
+        children = psutil.Process(actor.pid).children(recursive=True)
+        assert children, "vLLM runs its engine in child processes"
+        actor.terminate()
+        assert actor.wait(timeout=60) == 0, "SIGTERM shuts the actor down cleanly"
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"vLLM processes left behind: {alive}"
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+        log.close()
