@@ -11,8 +11,10 @@ import psutil
 import pytest
 from kubernetes import client
 
+from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import install, start_operator
+from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +79,22 @@ def lockstep(
     operator = start_operator(cluster, log, "--restart-backoff-seconds=1", f"--metrics-port={operator_metrics_port}")
     yield operator
     operator.stop()
+
+
+def running_job(kube: client.ApiClient, namespace: str, name: str, actors: int) -> list[str]:
+    """Create an RLJob and wait until it runs; its actor pod names."""
+    create_job(kube, namespace, rljob(name, actors=actors))
+    wait_for(lambda: phase(get_job(kube, namespace, name)) == "Running", f"RLJob {name} to run")
+    return [f"{name}-actor-{i}" for i in range(actors)]
+
+
+def weights_version(kube: client.ApiClient, namespace: str, name: str) -> int | None:
+    version = get_job(kube, namespace, name)["status"].get("weightsVersion")
+    return None if version is None else int(version)
+
+
+def push_weights(kube: client.ApiClient, namespace: str, name: str, actors: list[str], version: int) -> None:
+    """Announce weights ``version`` as the trainer and let agents on ``actors`` carry the barrier through."""
+    with running_agents(kube, namespace, actors):
+        announce_weights(kube, namespace, name, version)
+        wait_for(lambda: weights_version(kube, namespace, name) == version, f"weights version {version}")

@@ -13,10 +13,9 @@ import yaml
 from kubernetes import client
 
 from lockstep_e2e import build
-from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import LocalCluster
-from lockstep_e2e.fixtures import wait_for
-from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
+from lockstep_e2e.fixtures import push_weights, running_job
+from lockstep_e2e.jobs import rljob
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
@@ -89,11 +88,7 @@ def test_validate_accepts_the_sample_and_render_prints_the_locked_arguments() ->
 def test_status_shows_phase_parity_and_barrier_history(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str
 ) -> None:
-    create_job(kube, namespace, rljob("shown", actors=2))
-    wait_for(lambda: phase(get_job(kube, namespace, "shown")) == "Running", "RLJob shown to run")
-    with running_agents(kube, namespace, ["shown-actor-0", "shown-actor-1"]):
-        announce_weights(kube, namespace, "shown", 1)
-        wait_for(lambda: get_job(kube, namespace, "shown")["status"].get("weightsVersion") == 1, "version 1")
+    push_weights(kube, namespace, "shown", running_job(kube, namespace, "shown", 2), 1)
     shown = lockstep_cli("status", "shown", "-n", namespace, kubeconfig=cluster.kubeconfig)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from lockstep_e2e.agents import running_agents
-from lockstep_e2e.fixtures import wait_for
-from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
+from lockstep_e2e.fixtures import push_weights, running_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
@@ -27,11 +25,7 @@ def scrape(port: int) -> str:
 def test_the_dashboard_uses_only_metrics_the_operator_exports(
     kube: client.ApiClient, namespace: str, operator_metrics_port: int
 ) -> None:
-    create_job(kube, namespace, rljob("metered", actors=2))
-    wait_for(lambda: phase(get_job(kube, namespace, "metered")) == "Running", "RLJob metered to run")
-    with running_agents(kube, namespace, ["metered-actor-0", "metered-actor-1"]):
-        announce_weights(kube, namespace, "metered", 1)
-        wait_for(lambda: get_job(kube, namespace, "metered")["status"].get("weightsVersion") == 1, "version 1")
+    push_weights(kube, namespace, "metered", running_job(kube, namespace, "metered", 2), 1)
     text = scrape(operator_metrics_port)
 
     exported = {name.removesuffix("_total") for name in re.findall(r"^# TYPE (lockstep_\w+) ", text, re.MULTILINE)}

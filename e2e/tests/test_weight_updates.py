@@ -13,27 +13,17 @@ from kubernetes.client.exceptions import ApiException
 from lockstep import keys
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component
-from lockstep_e2e.fixtures import wait_for
+from lockstep_e2e.fixtures import running_job, wait_for, weights_version
 from lockstep_e2e.install import pod_client
 from lockstep_e2e.jobs import announce_weights, create_job, events_for, get_job, phase, rljob
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
 
-def running(kube: client.ApiClient, namespace: str, name: str, actors: int) -> list[str]:
-    create_job(kube, namespace, rljob(name, actors=actors))
-    wait_for(lambda: phase(get_job(kube, namespace, name)) == "Running", f"RLJob {name} to run")
-    return [f"{name}-actor-{i}" for i in range(actors)]
-
-
-def weights_version(kube: client.ApiClient, namespace: str, name: str) -> int | None:
-    return get_job(kube, namespace, name)["status"].get("weightsVersion")
-
-
 def test_announced_weights_reach_every_actor_through_pause_update_resume(
     kube: client.ApiClient, namespace: str
 ) -> None:
-    actors = running(kube, namespace, "sync", 3)
+    actors = running_job(kube, namespace, "sync", 3)
     with running_agents(kube, namespace, actors) as engines:
         for version in (1, 2):
             announce_weights(kube, namespace, "sync", version)
@@ -53,7 +43,7 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
 def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
     kube: client.ApiClient, namespace: str, lockstep: Component, phase: str, step: str
 ) -> None:
-    actors = running(kube, namespace, "crashy", 2)
+    actors = running_job(kube, namespace, "crashy", 2)
     with running_agents(kube, namespace, actors) as engines:
         engines[actors[1]].gates[step].clear()  # actor 1 is slow in this phase
         announce_weights(kube, namespace, "crashy", 1)
@@ -77,7 +67,7 @@ def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
 def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
     kube: client.ApiClient, namespace: str
 ) -> None:
-    actors = running(kube, namespace, "shrink", 2)
+    actors = running_job(kube, namespace, "shrink", 2)
     core = client.CoreV1Api(kube)
     with running_agents(kube, namespace, actors[:1]):
         announce_weights(kube, namespace, "shrink", 1)
@@ -128,7 +118,7 @@ def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient
 
 
 def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace: str) -> None:
-    actors = running(kube, namespace, "noisy", 1)
+    actors = running_job(kube, namespace, "noisy", 1)
     core = client.CoreV1Api(pod_client(kube, namespace, actors[0]))
     announce_weights(kube, namespace, "noisy", 1)
     wait_for(lambda: get_job(kube, namespace, "noisy")["status"].get("barrier"), "the barrier to open")
@@ -153,8 +143,8 @@ def forbidden(call: Any) -> str:
 
 
 def test_only_the_operator_commands_and_a_pod_acks_only_for_itself(kube: client.ApiClient, namespace: str) -> None:
-    actors = running(kube, namespace, "guarded", 2)
-    running(kube, namespace, "other", 1)
+    actors = running_job(kube, namespace, "guarded", 2)
+    running_job(kube, namespace, "other", 1)
     as_actor0 = client.CoreV1Api(pod_client(kube, namespace, actors[0]))
     as_admin = client.CoreV1Api(kube)
     as_other_job = client.CoreV1Api(pod_client(kube, namespace, "other-actor-0"))
