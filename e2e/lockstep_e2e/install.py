@@ -25,14 +25,13 @@ FIELD_MANAGER = "lockstep-e2e"
 
 
 def manifests(directory: Path = CRD_DIR) -> list[dict[str, Any]]:
-    """Every document in ``directory``'s YAML files, CustomResourceDefinitions first."""
-    documents = [
+    """Every document in ``directory``'s YAML files (``apply`` puts the CRDs first)."""
+    return [
         document
         for path in sorted(directory.glob("*.yaml"))
         for document in yaml.safe_load_all(path.read_text())
         if document
     ]
-    return sorted(documents, key=lambda d: d["kind"] != "CustomResourceDefinition")
 
 
 def apply(api: client.ApiClient, documents: list[dict[str, Any]]) -> None:
