@@ -55,6 +55,7 @@ class Shell:
         self._running: set[JobKey] = set()
         self._dirty: set[JobKey] = set()
         self._applied_children: dict[JobKey, str] = {}
+        self._own_writes: dict[JobKey, str] = {}  # the resourceVersion of each job's last status write
         self._pods_pool = ThreadPoolExecutor(max_workers=POD_WRITERS, thread_name_prefix="pod-writer")
 
     # -- coalescing ----------------------------------------------------------------------
@@ -82,6 +83,10 @@ class Shell:
             with self._guard:
                 self._running.discard(key)
 
+    def caused_by_own_write(self, namespace: str, name: str, resource_version: str | None) -> bool:
+        """Whether an RLJob event only reports this operator's own status write (nothing new to act on)."""
+        return resource_version is not None and self._own_writes.get((namespace, name)) == resource_version
+
     def request_all(self) -> None:
         """Reconcile every RLJob in the cluster (after a ParityPolicy changed)."""
         jobs = _json(self.custom.list_cluster_custom_object(*RLJOBS, _preload_content=False))["items"]
@@ -101,6 +106,7 @@ class Shell:
         except ApiException as error:
             if error.status == 404:
                 self._applied_children.pop(key, None)
+                self._own_writes.pop(key, None)
                 metrics.forget(namespace, name)
                 return
             raise
@@ -139,9 +145,10 @@ class Shell:
         if new_status != job.get("status"):
             job["status"] = new_status
             try:
-                self.custom.replace_namespaced_custom_object_status(
-                    api.GROUP, api.VERSION, namespace, api.RLJOBS, name, job
+                written = self.custom.replace_namespaced_custom_object_status(
+                    api.GROUP, api.VERSION, namespace, api.RLJOBS, name, job, _preload_content=False
                 )
+                self._own_writes[key] = _json(written)["metadata"]["resourceVersion"]
             except ApiException as error:
                 if error.status != 409:
                     raise
@@ -257,8 +264,10 @@ def cleanup(**_: Any) -> None:
 
 
 @kopf.on.event(*RLJOBS)
-def rljob_changed(type: str, namespace: str | None, name: str, **_: Any) -> None:
-    if type != "DELETED" and namespace:
+def rljob_changed(type: str, namespace: str | None, name: str, meta: Mapping[str, Any], **_: Any) -> None:
+    if type == "DELETED" or not namespace:
+        return
+    if not shell().caused_by_own_write(namespace, name, meta.get("resourceVersion")):
         shell().request(namespace, name)
 
 
