@@ -7,6 +7,7 @@ loop; this module is the part that learns, and a test shows a tiny model learnin
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,26 @@ class Rollout:
     completion: list[int]
     logprobs: list[float]
     group: int  # completions of the same prompt share a group (GRPO/GSPO advantages)
+
+
+async def collect_rollouts(
+    actors: Sequence[str], prompts: Sequence[list[int]], group: int, sampling: dict[str, Any]
+) -> list[Rollout]:
+    """``group`` completions of every prompt from the actors' /generate (spread over them), with the
+    processed logprob of each sampled token as the rollout engine computed it."""
+    import aiohttp
+
+    requests = [(index, prompt) for index, prompt in enumerate(prompts) for _ in range(group)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def one(position: int, index: int, prompt: list[int]) -> Rollout:
+            url = f"{actors[position % len(actors)]}/generate"
+            async with session.post(url, json={"prompt_token_ids": prompt, "sampling": sampling}) as response:
+                response.raise_for_status()
+                body = await response.json()
+            return Rollout(list(prompt), body["token_ids"], body["logprobs"], index)
+
+        return list(await asyncio.gather(*(one(n, i, p) for n, (i, p) in enumerate(requests))))
 
 
 def token_logprobs(

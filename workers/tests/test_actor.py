@@ -4,9 +4,18 @@ processed logprob matches the trainer's forward pass under the weights version i
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -93,23 +102,16 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
     assert (sampled[switch:] - before[switch:]).abs().max().item() > 0.05, "the new weights really differ"
 
 
-def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_path: Path) -> None:
-    import json
-    import subprocess
-    import sys
-    import time
-    import urllib.error
-    import urllib.request
-
-    import psutil
-
+@contextmanager
+def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
+    """``python -m lockstep_workers.actor`` on a tiny model with the arguments the operator renders under the
+    default policy; yields its URL, its model and the process once it reports ready."""
     from lockstep.parity import default_policy, settings_dict, vllm_cli_args
     from lockstep_e2e.cluster import free_port
     from lockstep_workers.tiny_model import create_tiny_llama
 
     model_dir = create_tiny_llama(tmp_path / "model")
     port = free_port()
-    # The arguments exactly as the operator renders them for an actor pod under the default policy.
     vllm = {
         **settings_dict(default_policy().spec.vllm),
         "dtype": "float32",
@@ -125,20 +127,28 @@ def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_p
         f"--port={port}",
         *vllm_cli_args(vllm),
     ]
-    log = (tmp_path / "actor.log").open("w")
-    actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert actor.poll() is None, (tmp_path / "actor.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the actor did not become ready"
-            try:
-                with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
-                    if json.loads(response.read())["ready"]:
-                        break
-            except OSError:
-                time.sleep(1)
+    with (tmp_path / "actor.log").open("w") as log:
+        actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                assert actor.poll() is None, (tmp_path / "actor.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the actor did not become ready"
+                try:
+                    with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
+                        if json.loads(response.read())["ready"]:
+                            break
+                except OSError:
+                    time.sleep(1)
+            yield base, model_dir, actor
+        finally:
+            if actor.poll() is None:
+                actor.kill()
+
+
+def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_path: Path) -> None:
+    with actor_process(tmp_path) as (base, _, actor):
         body = json.dumps(
             {"prompt_token_ids": [1, 5, 6], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
         ).encode()
@@ -159,7 +169,31 @@ def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_p
         assert actor.wait(timeout=60) == 0, "SIGTERM shuts the actor down cleanly"
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, f"vLLM processes left behind: {alive}"
-    finally:
-        if actor.poll() is None:
-            actor.kill()
-        log.close()
+
+
+def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lockstep.api import Objective
+    from lockstep_workers.rewards import target_token
+    from lockstep_workers.trainer import collect_rollouts, learn
+
+    with actor_process(tmp_path) as (base, model_dir, _):
+        sampling = {"temperature": 0.7, "max_tokens": 12, "ignore_eos": True}
+        rollouts = asyncio.run(collect_rollouts([base], [[1, 10, 11], [1, 20, 21]], 4, sampling))
+    assert len(rollouts) == 8 and all(len(r.completion) == 12 for r in rollouts)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    metrics = learn(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        rollouts,
+        [target_token(r.prompt, r.completion) for r in rollouts],
+        Objective(),
+        0.7,
+    )
+    print(
+        f"actor vs trainer: mean |logprob difference| {metrics['mean_abs_logprob_diff']:.2e}, ESS {metrics['ess']:.6f}"
+    )
+    assert metrics["mean_abs_logprob_diff"] < 1e-4
+    assert metrics["ess"] > 0.9999
