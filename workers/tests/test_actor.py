@@ -143,8 +143,22 @@ def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[
                     time.sleep(1)
             yield base, model_dir, actor
         finally:
-            if actor.poll() is None:
-                actor.kill()
+            _stop(actor)
+
+
+def _stop(actor: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the actor then shuts vLLM down); kill whatever is still there after a minute."""
+    if actor.poll() is not None:
+        return
+    children = psutil.Process(actor.pid).children(recursive=True)
+    actor.terminate()
+    try:
+        actor.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        actor.kill()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    for process in alive:
+        process.kill()
 
 
 def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_path: Path) -> None:
