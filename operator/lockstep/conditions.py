@@ -41,8 +41,3 @@ def set_condition(
     if old is None:
         return [*conditions, updated]
     return [updated if c.type == type_ else c for c in conditions]
-
-
-def is_true(conditions: list[Condition], type_: str) -> bool:
-    found = find(conditions, type_)
-    return found is not None and found.status == ConditionStatus.TRUE
