@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -52,10 +53,36 @@ class ClusterError(RuntimeError):
     """The control plane could not be started; the message names the component and its log."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that is free now, below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` can be given again, a moment later, as the
+    source port of an outgoing connection, before the server meant to listen on it starts.
+    Ports below the ephemeral range are never used that way; each is handed out once per process.
+    """
+    low, _ = _ephemeral_range()
+    while True:
+        port = random.randrange(10000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def _die_with_parent() -> None:

@@ -37,11 +37,13 @@ def runner(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
 def _wait_until_up(runner: subprocess.Popen[str]) -> list[psutil.Process]:
     """Read the runner's output until the cluster is up; return the runner's child processes."""
     assert runner.stdout is not None
+    output = []
     for line in runner.stdout:
+        output.append(line)
         if line.startswith("cluster up"):
             break
     else:
-        pytest.fail(f"the cluster process exited with {runner.wait()} before the cluster was up")
+        pytest.fail(f"the cluster process exited with {runner.wait()} before the cluster was up:\n{''.join(output)}")
     children = psutil.Process(runner.pid).children(recursive=True)
     assert {child.name() for child in children} == set(COMPONENTS)
     return children
