@@ -11,12 +11,16 @@ from lockstep import api, keys
 from lockstep_e2e.install import pod_client
 
 POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
+REWARD = "lockstep_workers.rewards:target_token"
+SHARED_VOLUME = {"hostPath": {"path": "/var/lib/lockstep", "type": "DirectoryOrCreate"}}
 
 
 def rljob(
     name: str, *, actors: int = 2, trainers: int = 1, vllm: dict[str, Any] | None = None, **spec: Any
 ) -> dict[str, Any]:
-    """A valid RLJob manifest; ``vllm`` sets spec.actors.vllm, other keyword arguments top-level spec fields."""
+    """A valid RLJob manifest; ``vllm`` sets spec.actors.vllm, other keyword arguments top-level spec fields
+    (``weightSync`` fields are added to the default shared volume)."""
+    weight_sync = {"volume": SHARED_VOLUME, **spec.pop("weightSync", {})}
     return {
         "apiVersion": api.API_VERSION,
         "kind": "RLJob",
@@ -24,7 +28,8 @@ def rljob(
         "spec": {
             "model": {"uri": "/models/tiny-llama", "dtype": "float32"},
             "actors": {"image": "lockstep/actor:dev", "replicas": actors, "vllm": vllm or {}},
-            "trainer": {"image": "lockstep/trainer:dev", "replicas": trainers},
+            "trainer": {"image": "lockstep/trainer:dev", "replicas": trainers, "reward": REWARD},
+            "weightSync": weight_sync,
             **spec,
         },
     }

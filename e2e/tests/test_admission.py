@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from lockstep import admission, api
 from lockstep_e2e.fixtures import wait_for
 from lockstep_e2e.install import apply, manifests
+from lockstep_e2e.jobs import REWARD, SHARED_VOLUME
 
 pytestmark = pytest.mark.cluster
 
@@ -97,7 +98,8 @@ def rljob(vllm: dict[str, Any], policy: str | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "model": {"uri": "/models/tiny"},
         "actors": {"image": "lockstep/actor:dev", "vllm": vllm},
-        "trainer": {"image": "lockstep/trainer:dev"},
+        "trainer": {"image": "lockstep/trainer:dev", "reward": REWARD},
+        "weightSync": {"volume": SHARED_VOLUME},
     }
     if policy:
         spec["parityPolicy"] = policy

@@ -115,6 +115,12 @@ def test_a_job_runs_with_pods_services_config_and_status(
         ({"actors": {"replicas": 1}}, "spec.actors.image: Required value"),
         ({"trainer": {"image": "t", "objective": {"algorithm": "dpo"}}}, 'Unsupported value: "dpo"'),
         ({"weightSync": {"backend": "carrier-pigeon"}}, "spec.weightSync.backend: Unsupported value"),
+        ({"weightSync": {"backend": "filesystem"}}, "spec.weightSync.volume is required with backend filesystem"),
+        ({"trainer": {"image": "t", "reward": "rewards.py"}}, "spec.trainer.reward: Invalid value"),
+        (
+            {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
+            "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas",
+        ),
     ],
 )
 def test_invalid_jobs_are_refused_naming_the_field(

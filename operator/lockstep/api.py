@@ -204,13 +204,57 @@ class Objective(Model):
     learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-6
 
 
-class TrainerSpec(PodOverrides):
+CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+"""``package.module:function``: a Python callable importable in the trainer's image."""
+
+
+class RolloutSettings(Model):
+    prompts_per_step: Annotated[int, Field(ge=1, le=65536)] = Field(8, description="Prompts sampled per step.")
+    samples_per_prompt: Annotated[int, Field(ge=2, le=1024)] = Field(
+        8, description="Completions per prompt: a group, whose mean reward is the baseline (GRPO/GSPO)."
+    )
+    max_tokens: Annotated[int, Field(ge=1)] = Field(16, description="Longest completion, in tokens.")
+    temperature: Annotated[float, Field(gt=0)] = Field(
+        1.0, description="Sampling temperature; the trainer applies the same one to its logprobs."
+    )
+
+
+class Training(Model):
+    """What the trainer process runs: the operator passes these fields to it as they are (--settings)."""
+
+    reward: str = Field(
+        pattern=CALLABLE_PATTERN,
+        description="The reward function, package.module:function, called as reward(prompt_token_ids, "
+        "completion_token_ids) -> float; e.g. lockstep_workers.rewards:target_token.",
+    )
+    prompts: str = Field(
+        "lockstep_workers.rewards:random_prompts",
+        pattern=CALLABLE_PATTERN,
+        description="The prompt source, package.module:function, called as prompts(step, count, seed) -> "
+        "list of prompt token id lists.",
+    )
+    steps: Annotated[int, Field(ge=1)] = Field(100, description="Optimiser steps; the job succeeds after the last.")
+    seed: int = 0
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    objective: Objective = Field(default_factory=Objective)
+
+
+TRAINER_SHARDS_RULE = cel(
+    "self.rollout.promptsPerStep >= self.replicas",
+    "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas: each rank trains on whole "
+    "prompt groups; raise promptsPerStep or lower replicas",
+    field_path=".rollout.promptsPerStep",
+)
+
+
+class TrainerSpec(PodOverrides, Training):
+    model_config = ConfigDict(json_schema_extra=validations(TRAINER_SHARDS_RULE))
+
     replicas: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="torch.distributed world size.")
     image: Annotated[str, Field(min_length=1)]
-    objective: Objective = Field(default_factory=Objective)
-    args: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="Further trainer settings passed to the worker as they are."
-    )
+
+    def training(self) -> Training:
+        return Training.model_validate(self.model_dump(include=set(Training.model_fields)))
 
 
 class WeightSyncBackend(StrEnum):
@@ -223,10 +267,28 @@ class TimeoutAction(StrEnum):
     EVICT_STRAGGLER = "EvictStraggler"
 
 
+WEIGHTS_VOLUME_RULE = cel(
+    "self.backend != 'filesystem' || has(self.volume)",
+    "spec.weightSync.volume is required with backend filesystem: a volume every actor and trainer pod mounts, "
+    "where the trainer writes weights and the actors read them, e.g. {persistentVolumeClaim: {claimName: weights}} "
+    "(ReadWriteMany), or {hostPath: {path: /var/lib/lockstep}} when every pod runs on one node",
+    field_path=".volume",
+    reason="FieldValueRequired",
+)
+
+
 class WeightSync(Model):
+    model_config = ConfigDict(json_schema_extra=validations(WEIGHTS_VOLUME_RULE))
+
     backend: WeightSyncBackend = Field(
         WeightSyncBackend.FILESYSTEM,
         json_schema_extra=immutable("spec.weightSync.backend", "the actors and trainer were started for it"),
+    )
+    volume: dict[str, Any] | None = Field(
+        None,
+        description="A Kubernetes volume source (without a name), mounted in every pod of the job: the trainer "
+        "writes weights and metrics.jsonl under <mount>/<job uid>/.",
+        json_schema_extra=OPAQUE_OBJECT,
     )
     barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
     on_timeout: TimeoutAction = TimeoutAction.FAIL_JOB
@@ -247,7 +309,7 @@ class RLJobSpec(Model):
     )
     actors: ActorSpec
     trainer: TrainerSpec
-    weight_sync: WeightSync = Field(default_factory=WeightSync)
+    weight_sync: WeightSync
     suspend: bool = False
     max_restarts: Annotated[int, Field(ge=0)] = 3
     ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None

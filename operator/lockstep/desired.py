@@ -19,6 +19,7 @@ ACTOR_PORT = 8000
 TRAINER_PORT = 29500
 CONFIG_MOUNT = "/etc/lockstep"
 CONFIG_FILE = "effective-config.json"
+SHARED_MOUNT = "/var/lib/lockstep"
 
 
 @dataclass(frozen=True)
@@ -163,18 +164,17 @@ def actor_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int)
         "ports": [{"name": "http", "containerPort": ACTOR_PORT}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": ACTOR_PORT}, "periodSeconds": 5},
     }
-    return _pod(job, spec.actors, config, keys.ACTOR, index, container, hostname=None)
+    return _pod(job, spec, spec.actors, config, keys.ACTOR, index, container, hostname=None)
 
 
 def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int) -> dict[str, Any]:
-    objective = spec.trainer.objective.model_dump(mode="json", by_alias=True)
-    settings = {"objective": objective, "args": spec.trainer.args}
+    settings = spec.trainer.training().model_dump_json(by_alias=True)
     master = f"{pod_name(job.name, keys.TRAINER, 0)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
     container = {
         "name": keys.TRAINER,
         "image": spec.trainer.image,
         "command": ["python", "-m", "lockstep_workers.trainer"],
-        "args": [f"--model={spec.model.uri}", f"--settings={json.dumps(settings, sort_keys=True)}"],
+        "args": [f"--model={spec.model.uri}", f"--settings={settings}"],
         "ports": [{"name": "rendezvous", "containerPort": TRAINER_PORT}],
         "env": [
             {"name": "MASTER_ADDR", "value": master},
@@ -184,11 +184,13 @@ def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int
             {"name": "LOCKSTEP_ACTORS_URL", "value": f"http://{actor_service_name(job.name)}:{ACTOR_PORT}"},
         ],
     }
-    return _pod(job, spec.trainer, config, keys.TRAINER, rank, container, hostname=pod_name(job.name, "trainer", rank))
+    hostname = pod_name(job.name, keys.TRAINER, rank)
+    return _pod(job, spec, spec.trainer, config, keys.TRAINER, rank, container, hostname=hostname)
 
 
 def _pod(
     job: JobRef,
+    spec: RLJobSpec,
     overrides: PodOverrides,
     config: EffectiveConfig,
     role: str,
@@ -204,26 +206,26 @@ def _pod(
         {"name": "LOCKSTEP_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        *(overrides.env or []),
     ]
+    mounts = [{"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    volumes: list[dict[str, Any]] = [{"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}}]
+    if spec.weight_sync.volume is not None:
+        # The trainer writes weights here; actors only read them.
+        mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role == keys.ACTOR})
+        volumes.append({"name": "lockstep-shared", **spec.weight_sync.volume})
+        env.append({"name": "LOCKSTEP_SHARED_DIR", "value": f"{SHARED_MOUNT}/{job.uid}"})
     container = {
         **container,
-        "env": env,
+        "env": [*env, *(overrides.env or [])],
         "resources": overrides.resources or {},
-        "volumeMounts": [
-            {"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-            *(overrides.volume_mounts or []),
-        ],
+        "volumeMounts": [*mounts, *(overrides.volume_mounts or [])],
     }
     pod_spec: dict[str, Any] = {
         # The operator, not the kubelet, restarts failed pods, so that maxRestarts counts every failure.
         "restartPolicy": "Never",
         "serviceAccountName": worker_account_name(job.name),
         "containers": [container],
-        "volumes": [
-            {"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}},
-            *(overrides.volumes or []),
-        ],
+        "volumes": [*volumes, *(overrides.volumes or [])],
     }
     if hostname:
         pod_spec.update(hostname=hostname, subdomain=trainer_service_name(job.name))

@@ -20,6 +20,7 @@ from lockstep.api import (
     ReplicaStatus,
     RLJobSpec,
     RLJobStatus,
+    Weights,
     WeightSyncBackend,
 )
 from lockstep.conditions import PARITY_LOCKED, READY, RECONCILING, STALLED, find, set_condition
@@ -215,7 +216,7 @@ class _Reconciler:
     def run_pods(self, spec: RLJobSpec, config: EffectiveConfig, wanted: dict[str, dict[str, Any]]) -> None:
         rank0 = self.pods.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
         if rank0 is not None and pod_phase(rank0) == "Succeeded":
-            self.finish_job(spec, Phase.SUCCEEDED, "TrainerSucceeded", "the trainer (rank 0) completed")
+            self.finish_training(spec, rank0)
             return
         if self.handle_losses(spec, wanted):
             return
@@ -255,6 +256,21 @@ class _Reconciler:
             ready = find(self.status.conditions, READY)
             if ready is None or ready.reason != "Restarting" or wait <= 0:
                 self.condition(READY, False, "PodsNotReady", self.readiness_message())
+
+    def finish_training(self, spec: RLJobSpec, rank0: dict[str, Any]) -> None:
+        """Rank 0 has completed: carry its last announced weights to every actor, then succeed."""
+        if self.run_barrier(spec, self.pods):
+            return
+        announced = barrier.announced_by(rank0)
+        final = announced.version if isinstance(announced, Weights) else None
+        committed = self.status.weights_version
+        if self.status.barrier is None and (final is None or (committed or 0) >= final):
+            serving = f"; every actor serves weights version {committed}" if committed else ""
+            self.finish_job(spec, Phase.SUCCEEDED, "TrainerSucceeded", f"the trainer (rank 0) completed{serving}")
+            return
+        self.condition(
+            READY, True, "FinalWeightUpdate", f"the trainer completed; carrying weights version {final} to every actor"
+        )
 
     def with_initial_weights(self, pod: dict[str, Any]) -> dict[str, Any]:
         """A new pod starts from the committed weights (it joins a catch-up barrier if newer ones are in flight)."""

@@ -8,6 +8,8 @@ from typing import Any
 from lockstep.parity import default_policy
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
+REWARD = "lockstep_workers.rewards:target_token"
+SHARED_VOLUME = {"hostPath": {"path": "/var/lib/lockstep", "type": "DirectoryOrCreate"}}
 
 
 def job(name: str = "demo", *, status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -18,7 +20,8 @@ def job(name: str = "demo", *, status: dict[str, Any] | None = None, **spec: Any
         "spec": {
             "model": {"uri": "/models/tiny"},
             "actors": {"image": "lockstep/actor:dev", "replicas": 2},
-            "trainer": {"image": "lockstep/trainer:dev", "replicas": 1},
+            "trainer": {"image": "lockstep/trainer:dev", "replicas": 1, "reward": REWARD},
+            "weightSync": {"volume": SHARED_VOLUME},
             **spec,
         },
     }

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factories import NOW, job, policy, running
+from factories import NOW, REWARD, job, policy, running
 from lockstep import keys
 from lockstep.api import Phase
 from lockstep.conditions import PARITY_LOCKED, READY, find
@@ -67,7 +67,7 @@ def test_job_is_running_once_every_pod_is_ready() -> None:
 
 
 def test_trainer_pods_get_the_torch_distributed_environment() -> None:
-    plan = plan_for(job(trainer={"image": "t", "replicas": 2}))
+    plan = plan_for(job(trainer={"image": "t", "reward": REWARD, "replicas": 2}))
     trainers = [p for p in plan.create_pods if p["metadata"]["labels"][keys.ROLE] == keys.TRAINER]
     env = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in trainers]
     assert [e["RANK"] for e in env] == ["0", "1"]
@@ -180,6 +180,20 @@ def test_trainer_success_finishes_the_job_and_ttl_deletes_it() -> None:
     assert plan_for(body, [], now=NOW + dt.timedelta(seconds=30)).delete_job
 
 
+def test_the_job_succeeds_only_once_every_actor_serves_the_trainers_last_weights() -> None:
+    body, pods = settle(job())
+    announce(pods[2], 7)
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    finishing = plan_for(body, pods)
+    assert finishing.status.phase is Phase.RUNNING and not finishing.delete_pods
+    assert condition(finishing, READY) == ("True", "FinalWeightUpdate")
+    body, now = carry_barrier(body, pods, 7)
+    done = plan_for(body, pods, now=now)
+    assert done.status.phase is Phase.SUCCEEDED and done.status.weights_version == 7
+    ready = find(done.status.conditions, READY)
+    assert ready is not None and ready.message.endswith("every actor serves weights version 7")
+
+
 def test_condition_transition_time_is_kept_while_status_is_unchanged() -> None:
     body, pods = settle(job())
     later = plan_for(body, pods, now=NOW + dt.timedelta(hours=1))
@@ -203,11 +217,12 @@ def test_plans_are_consistent_whatever_the_pods_look_like(
 ) -> None:
     body = job(
         actors={"image": "a", "replicas": actors},
-        trainer={"image": "t", "replicas": trainers},
+        trainer={"image": "t", "reward": REWARD, "replicas": trainers},
         suspend=suspend,
         maxRestarts=2,
     )
-    template = plan_for(job(actors={"image": "a", "replicas": 4}, trainer={"image": "t", "replicas": 3}))
+    trainer = {"image": "t", "reward": REWARD, "replicas": 3}
+    template = plan_for(job(actors={"image": "a", "replicas": 4}, trainer=trainer))
     pods = []
     for pod, state in zip(template.create_pods, states, strict=True):
         if state == "absent":
@@ -238,24 +253,33 @@ def test_plans_are_consistent_whatever_the_pods_look_like(
     assert ready is not None and ready.message, "every outcome explains itself"
 
 
-def test_announced_weights_run_a_barrier_to_the_new_version() -> None:
-    body, pods = settle(job())
-    trainer = pods[2]
+def announce(trainer: dict[str, Any], version: int) -> None:
     trainer["metadata"]["annotations"][keys.WEIGHTS] = json.dumps(
-        {"protocol": 1, "version": 3, "uri": "file:///w/v3", "digest": "sha256:3"}
+        {"protocol": 1, "version": version, "uri": f"file:///w/v{version}", "digest": f"sha256:{version}"}
     )
+
+
+def carry_barrier(body: dict[str, Any], pods: list[dict[str, Any]], version: int) -> tuple[dict[str, Any], dt.datetime]:
+    """Let the two actors ack every phase of the barrier to ``version``; the job as of then, and the time."""
     now = NOW
     for expected_phase, ack_phase in (("Pause", "Paused"), ("Update", "Updated"), ("Resume", "Resumed")):
         plan = plan_for(body, pods, now=now)
         assert set(plan.annotate_pods) == {"demo-actor-0", "demo-actor-1"}, "commands go to the actors only"
         for pod in pods[:2]:
             command = json.loads(plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER])
-            assert command["phase"] == expected_phase and command["version"] == 3
+            assert command["phase"] == expected_phase and command["version"] == version
             pod["metadata"]["annotations"][keys.BARRIER] = plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER]
-            ack = {"protocol": 1, "id": command["id"], "phase": ack_phase, "loadedVersion": 3}
+            ack = {"protocol": 1, "id": command["id"], "phase": ack_phase, "loadedVersion": version}
             pod["metadata"]["annotations"][keys.BARRIER_ACK] = json.dumps(ack)
         body = {**body, "status": status_of(plan)}
         now += dt.timedelta(seconds=1)
+    return body, now
+
+
+def test_announced_weights_run_a_barrier_to_the_new_version() -> None:
+    body, pods = settle(job())
+    announce(pods[2], 3)
+    body, now = carry_barrier(body, pods, 3)
     done = plan_for(body, pods, now=now)
     assert done.status.barrier is None and done.status.weights_version == 3 and done.status.lag == 0
     assert [r.version for r in done.status.barrier_history] == [3]
