@@ -11,24 +11,35 @@ from lockstep import api, keys
 from lockstep_e2e.install import pod_client
 
 POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
-REWARD = "lockstep_workers.rewards:target_token"
+REWARD = "lockstep_workers.rewards:target_words"
 SHARED_VOLUME = {"hostPath": {"path": "/var/lib/lockstep", "type": "DirectoryOrCreate"}}
 
 
 def rljob(
-    name: str, *, actors: int = 2, trainers: int = 1, vllm: dict[str, Any] | None = None, **spec: Any
+    name: str,
+    *,
+    actors: int = 2,
+    trainers: int = 1,
+    vllm: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
+    actor_env: list[dict[str, Any]] | None = None,
+    **spec: Any,
 ) -> dict[str, Any]:
-    """A valid RLJob manifest; ``vllm`` sets spec.actors.vllm, other keyword arguments top-level spec fields
-    (``weightSync`` fields are added to the default shared volume)."""
+    """A valid RLJob manifest; ``vllm`` sets spec.actors.vllm, ``trainer`` further spec.trainer fields,
+    ``actor_env`` spec.actors.env, other keyword arguments top-level spec fields (``weightSync`` fields are
+    added to the default shared volume)."""
     weight_sync = {"volume": SHARED_VOLUME, **spec.pop("weightSync", {})}
+    actor = {"image": "lockstep/actor:dev", "replicas": actors, "vllm": vllm or {}}
+    if actor_env:
+        actor["env"] = actor_env
     return {
         "apiVersion": api.API_VERSION,
         "kind": "RLJob",
         "metadata": {"name": name},
         "spec": {
             "model": {"uri": "/models/tiny-llama", "dtype": "float32"},
-            "actors": {"image": "lockstep/actor:dev", "replicas": actors, "vllm": vllm or {}},
-            "trainer": {"image": "lockstep/trainer:dev", "replicas": trainers, "reward": REWARD},
+            "actors": actor,
+            "trainer": {"image": "lockstep/trainer:dev", "replicas": trainers, "reward": REWARD, **(trainer or {})},
             "weightSync": weight_sync,
             **spec,
         },

@@ -1,31 +1,184 @@
-"""Run a kwok pod's real container command as a local process.
+"""Run kwok pods' real container commands as local processes: the kubelet part kwok does not play.
 
-kwok keeps the pod's status; this runs what the pod would run, with the pod's command, arguments
-and plain environment variables, authenticated as the pod's service account with a token bound to
-the pod (what the kubelet would mount), through a kubeconfig instead of the in-cluster files.
+kwok keeps each pod's status; this runs what the pod would run, with the pod's command, arguments
+and environment (fieldRefs resolved), authenticated as the pod's service account with a token bound
+to the pod (what the kubelet would mount), through a kubeconfig instead of the in-cluster files.
+Volumes map to local directories: a hostPath to its own path, a configMap to its keys written out,
+an emptyDir to a fresh directory; paths under a mount in the environment and arguments are rewritten.
+
+``JobPods`` runs every pod of an RLJob this way, on local ports (each actor's own; the trainer is
+pointed at them), reports a process's exit as the pod's phase, and stops a process once its pod is
+deleted, as a kubelet does.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
-from lockstep_e2e.cluster import Component, LocalCluster
+from lockstep import keys
+from lockstep.desired import pod_name
+from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import read_pod, service_account_token
 
 
-def run_pod(cluster: LocalCluster, api: client.ApiClient, namespace: str, pod: str, log: Path) -> Component:
-    """Start the pod's first container locally; the caller stops the returned Component."""
+def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], workdir: Path) -> dict[str, Path]:
+    """mountPath -> the local directory standing in for it."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    mounts = {}
+    for mount in pod["spec"]["containers"][0].get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "projected" in volume:
+            continue  # the service account token: given through the kubeconfig instead
+        if "hostPath" in volume:
+            local = Path(volume["hostPath"]["path"])
+        elif "configMap" in volume:
+            local = workdir / mount["name"]
+            data = client.CoreV1Api(api).read_namespaced_config_map(volume["configMap"]["name"], namespace).data
+            local.mkdir(parents=True, exist_ok=True)
+            for key, text in (data or {}).items():
+                (local / key).write_text(text)
+        elif "emptyDir" in volume:
+            local = workdir / mount["name"]
+        else:
+            raise ValueError(f"the pod runner cannot stand in for volume {volume['name']!r}: {sorted(volume)}")
+        local.mkdir(parents=True, exist_ok=True)
+        mounts[mount["mountPath"]] = local
+    return mounts
+
+
+def _localize(value: str, mounts: dict[str, Path]) -> str:
+    """``value`` with a path under a mount (possibly after ``--flag=``) moved to the local directory."""
+    flag, equals, path = value.rpartition("=") if value.startswith("--") else ("", "", value)
+    for mount, local in mounts.items():
+        if path == mount or path.startswith(mount.rstrip("/") + "/"):
+            return f"{flag}{equals}{local}{path[len(mount.rstrip('/')) :]}"
+    return value
+
+
+def _field(pod: dict[str, Any], path: str) -> str:
+    value: Any = pod
+    for part in path.split("."):
+        value = value[part]
+    return str(value)
+
+
+def run_pod(
+    cluster: LocalCluster,
+    api: client.ApiClient,
+    namespace: str,
+    pod: str,
+    log: Path,
+    *,
+    env: dict[str, str] | None = None,
+    args: dict[str, str] | None = None,
+) -> Component:
+    """Start the pod's first container locally; the caller stops the returned Component.
+
+    ``env`` overrides environment variables; ``args`` replaces the values of ``--flag=value`` arguments.
+    """
     body = read_pod(api, namespace, pod)
     container = body["spec"]["containers"][0]
+    mounts = local_mounts(api, namespace, body, log.parent / f"{pod}-volumes")
+    environment = {}
+    for variable in container.get("env", []):
+        if "value" in variable:
+            environment[variable["name"]] = _localize(variable["value"], mounts)
+        elif "fieldRef" in variable.get("valueFrom", {}):
+            environment[variable["name"]] = _field(body, variable["valueFrom"]["fieldRef"]["fieldPath"])
     token = service_account_token(api, namespace, body["spec"]["serviceAccountName"], pod=body, seconds=3600)
-    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-    env["KUBECONFIG"] = str(cluster.token_kubeconfig(f"pod-{namespace}-{pod}", token))
-    argv = [*container.get("command", []), *container.get("args", [])]
+    environment["KUBECONFIG"] = str(cluster.token_kubeconfig(f"pod-{namespace}-{pod}", token))
+    environment.update(env or {})
+    argv = [_localize(a, mounts) for a in [*container.get("command", []), *container.get("args", [])]]
+    for flag, value in (args or {}).items():
+        argv = [f"{flag}={value}" if a.startswith(f"{flag}=") else a for a in argv]
     if argv and argv[0] == "python":
         argv[0] = sys.executable  # the project's interpreter stands in for the image's
-    process = Component(f"pod/{namespace}/{pod}", argv, log, env=env)
+    process = Component(f"pod/{namespace}/{pod}", argv, log, env=environment)
     process.start()
     return process
+
+
+class JobPods:
+    """The pods of one RLJob, run locally until stopped; see the module docstring."""
+
+    def __init__(
+        self, cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, actors: int, trainers: int
+    ) -> None:
+        self.cluster, self.api, self.namespace = cluster, api, namespace
+        self.actors = [pod_name(job, keys.ACTOR, i) for i in range(actors)]
+        self.trainers = [pod_name(job, keys.TRAINER, r) for r in range(trainers)]
+        self.urls: dict[str, str] = {}
+        self.processes: dict[str, Component] = {}
+        self.exits: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="pod-runner", daemon=True)
+
+    def start(self, logs: Path) -> JobPods:
+        logs.mkdir(parents=True, exist_ok=True)
+        for name in self.actors:
+            port = free_port()
+            self.urls[name] = f"http://127.0.0.1:{port}"
+            self._run(name, logs, args={"--port": str(port)})
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        for rank, name in enumerate(self.trainers):
+            metrics = str(free_port()) if rank == 0 else "0"
+            env = {**rendezvous, "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values()), "LOCKSTEP_METRICS_PORT": metrics}
+            self._run(name, logs, env=env)
+        self._watcher.start()
+        return self
+
+    def _run(self, name: str, logs: Path, **overrides: Any) -> None:
+        log = logs / f"{name}.log"
+        self.processes[name] = run_pod(self.cluster, self.api, self.namespace, name, log, **overrides)
+
+    def _watch(self) -> None:
+        """Report exits as pod phases; stop the process of a deleted pod."""
+        core = client.CoreV1Api(self.api)
+        while not self._stop.wait(0.5):
+            for name, component in list(self.processes.items()):
+                code = component.process.poll() if component.process else None
+                if code is not None and name not in self.exits:
+                    self.exits[name] = code
+                    phase = "Succeeded" if code == 0 else "Failed"
+                    try:
+                        core.patch_namespaced_pod_status(name, self.namespace, {"status": {"phase": phase}})
+                    except ApiException as error:
+                        if error.status != 404:
+                            raise
+                elif code is None and self._deleted(core, name):
+                    component.stop(grace_seconds=60)
+
+    def _deleted(self, core: client.CoreV1Api, name: str) -> bool:
+        try:
+            return core.read_namespaced_pod(name, self.namespace).metadata.deletion_timestamp is not None
+        except ApiException as error:
+            if error.status == 404:
+                return True
+            raise
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher.is_alive():
+            self._watcher.join()
+        for component in self.processes.values():
+            component.stop(grace_seconds=60)
+
+
+@contextmanager
+def running_pods(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, actors: int, trainers: int, logs: Path
+) -> Iterator[JobPods]:
+    """Run the job's pods (which must exist) until the block ends."""
+    pods = JobPods(cluster, api, namespace, job, actors, trainers)
+    try:
+        yield pods.start(logs)
+    finally:
+        pods.stop()

@@ -119,7 +119,7 @@ def test_a_job_runs_with_pods_services_config_and_status(
         ({"trainer": {"image": "t", "reward": "rewards.py"}}, "spec.trainer.reward: Invalid value"),
         (
             {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
-            "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas",
+            "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas times",
         ),
     ],
 )

@@ -110,8 +110,17 @@ class PauseMode(StrEnum):
     WAIT = "wait"
 
 
+class MismatchBudget(Model):
+    mean_abs_logprob_diff: Annotated[float, Field(gt=0)] = Field(
+        0.02,
+        description="Largest mean |logprob_trainer - logprob_rollout| tolerated on tokens sampled under the "
+        "trainer's current weights (numerics only: stale tokens from in-flight updates are not counted).",
+    )
+
+
 class TrainerParity(Model):
     lm_head_dtype: DType = Field(DType.FLOAT32, description="dtype of the trainer's final projection.")
+    mismatch_budget: MismatchBudget = Field(default_factory=MismatchBudget)
 
 
 class WeightUpdateSemantics(Model):
@@ -202,6 +211,11 @@ class Objective(Model):
     clip_epsilon_high: Annotated[float, Field(gt=0)] = 0.28
     truncated_importance_sampling: TruncatedImportanceSampling = Field(default_factory=TruncatedImportanceSampling)
     learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-6
+    minibatches: Annotated[int, Field(ge=1, le=64)] = Field(
+        2,
+        description="Optimiser steps per batch of rollouts, each on a slice of its prompt groups; ratios are "
+        "taken against the weights the batch started from, so clipping acts from the second on.",
+    )
 
 
 CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -225,7 +239,7 @@ class Training(Model):
     reward: str = Field(
         pattern=CALLABLE_PATTERN,
         description="The reward function, package.module:function, called as reward(prompt_token_ids, "
-        "completion_token_ids) -> float; e.g. lockstep_workers.rewards:target_token.",
+        "completion_token_ids) -> float; e.g. lockstep_workers.rewards:target_words.",
     )
     prompts: str = Field(
         "lockstep_workers.rewards:random_prompts",
@@ -234,15 +248,21 @@ class Training(Model):
         "list of prompt token id lists.",
     )
     steps: Annotated[int, Field(ge=1)] = Field(100, description="Optimiser steps; the job succeeds after the last.")
+    max_lag: Annotated[int, Field(ge=0)] = Field(
+        1,
+        description="How many versions the actors may be behind when a step's sampling starts: 0 waits for each "
+        "weight update to finish; 1 samples while the previous update is in flight.",
+    )
     seed: int = 0
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     objective: Objective = Field(default_factory=Objective)
 
 
 TRAINER_SHARDS_RULE = cel(
-    "self.rollout.promptsPerStep >= self.replicas",
-    "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas: each rank trains on whole "
-    "prompt groups; raise promptsPerStep or lower replicas",
+    "self.rollout.promptsPerStep >= self.replicas * self.objective.minibatches",
+    "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas times "
+    "spec.trainer.objective.minibatches: each rank trains on whole prompt groups, in that many minibatches; "
+    "raise promptsPerStep or lower the others",
     field_path=".rollout.promptsPerStep",
 )
 

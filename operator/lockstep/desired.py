@@ -17,6 +17,7 @@ from lockstep.parity import EffectiveConfig, vllm_cli_args
 
 ACTOR_PORT = 8000
 TRAINER_PORT = 29500
+TRAINER_METRICS_PORT = 9400
 CONFIG_MOUNT = "/etc/lockstep"
 CONFIG_FILE = "effective-config.json"
 SHARED_MOUNT = "/var/lib/lockstep"
@@ -175,8 +176,12 @@ def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int
         "image": spec.trainer.image,
         "command": ["python", "-m", "lockstep_workers.trainer"],
         "args": [f"--model={spec.model.uri}", f"--settings={settings}"],
-        "ports": [{"name": "rendezvous", "containerPort": TRAINER_PORT}],
+        "ports": [
+            {"name": "rendezvous", "containerPort": TRAINER_PORT},
+            {"name": "metrics", "containerPort": TRAINER_METRICS_PORT},
+        ],
         "env": [
+            {"name": "LOCKSTEP_METRICS_PORT", "value": str(TRAINER_METRICS_PORT if rank == 0 else 0)},
             {"name": "MASTER_ADDR", "value": master},
             {"name": "MASTER_PORT", "value": str(TRAINER_PORT)},
             {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},

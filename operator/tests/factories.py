@@ -8,7 +8,7 @@ from typing import Any
 from lockstep.parity import default_policy
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
-REWARD = "lockstep_workers.rewards:target_token"
+REWARD = "lockstep_workers.rewards:target_words"
 SHARED_VOLUME = {"hostPath": {"path": "/var/lib/lockstep", "type": "DirectoryOrCreate"}}
 
 

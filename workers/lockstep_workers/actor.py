@@ -5,7 +5,8 @@ barrier agent that pauses, reloads and resumes it.
 
 HTTP: ``POST /generate`` ({"prompt_token_ids": [...], "sampling": {...}} → token ids, their
 processed logprobs and the weights version each token was sampled under), ``GET /ready`` (200 once
-the newest weights are loaded), ``GET /metrics`` (Prometheus). Nothing else: vLLM's dev-mode
+the newest weights are loaded; the body has the version served and the history of weight updates
+with their times), ``GET /metrics`` (Prometheus). Nothing else: vLLM's dev-mode
 endpoints (/collective_rpc and friends) do not exist here; weights are reloaded only through the
 barrier agent, which acts on commands the operator writes on this pod.
 """
@@ -19,6 +20,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
@@ -36,6 +38,9 @@ logger = logging.getLogger("lockstep.actor")
 TOKENS = Counter("lockstep_actor_generated_tokens_total", "Tokens this actor sampled.")
 WEIGHTS_VERSION = Gauge("lockstep_actor_weights_version", "The weights version this actor serves.")
 PAUSED = Gauge("lockstep_actor_paused", "1 while a weight update holds generation.")
+UPDATES = Counter("lockstep_actor_weight_updates_total", "Weight versions this actor loaded.")
+BASE_VERSION = 0
+"""The version of the base model the actor starts from, before any published weights."""
 
 
 def _flag(name: str) -> str:
@@ -68,13 +73,23 @@ def engine_args(model: str, settings: VllmSettings) -> Any:
 
 
 class Actor:
-    """One AsyncLLM and the weights version it serves."""
+    """One AsyncLLM and the weights version it serves.
+
+    ``loaded`` is the version in the engine; ``serving`` the one new tokens are sampled under. They
+    differ only while paused: tokens that arrive then were sampled before the pause, under the old
+    weights, so ``serving`` moves to the loaded version on resume. ``updates`` records, per loaded
+    version, when the actor paused, loaded and resumed (wall-clock seconds).
+    """
 
     def __init__(self, llm: Any, *, pause_mode: PauseMode = PauseMode.KEEP, clear_cache: bool = False) -> None:
         self.llm = llm
         self.pause_mode = pause_mode
         self.clear_cache = clear_cache
-        self.version: int | None = None
+        self.loaded = BASE_VERSION
+        self.serving = BASE_VERSION
+        self.paused_at: float | None = None
+        self.updates: list[dict[str, float | int | None]] = []
+        WEIGHTS_VERSION.set(BASE_VERSION)
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         """Sample a completion; each token carries the weights version it was sampled under."""
@@ -85,30 +100,40 @@ class Actor:
         params = SamplingParams(**sampling, logprobs=0, output_kind=RequestOutputKind.DELTA)
         tokens: list[int] = []
         logprobs: list[float] = []
-        versions: list[int | None] = []
+        versions: list[int] = []
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         async for output in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
             completion = output.outputs[0]
             for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
                 tokens.append(token)
                 logprobs.append(candidates[token].logprob)
-                versions.append(self.version)
+                versions.append(self.serving)
         TOKENS.inc(len(tokens))
         return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions}
 
     async def pause(self) -> None:
         await self.llm.pause_generation(mode=self.pause_mode.value, clear_cache=self.clear_cache)
+        self.paused_at = time.time()
         PAUSED.set(1)
 
     async def load(self, weights: Weights) -> None:
         """Check the digest, then reload the weights in place in every vLLM worker."""
         path = verified_path(weights)
         await self.llm.collective_rpc("lockstep_reload", args=(str(path),))
-        self.version = weights.version
+        self.loaded = weights.version
+        self.updates.append({"version": weights.version, "pausedAt": self.paused_at, "loadedAt": time.time()})
+        if self.paused_at is None:  # initial weights, loaded before serving
+            self.serving = weights.version
+        UPDATES.inc()
         WEIGHTS_VERSION.set(weights.version)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
+        self.serving = self.loaded
+        if self.updates:
+            self.updates[-1]["resumedAt"] = time.time()
+            logger.info("weight update done: %s", json.dumps(self.updates[-1]))
+        self.paused_at = None
         PAUSED.set(0)
 
 
@@ -138,9 +163,8 @@ def application(actor: Actor, ready: threading.Event) -> web.Application:
         return web.json_response(await actor.generate(list(body["prompt_token_ids"]), dict(body.get("sampling", {}))))
 
     async def readiness(_: web.Request) -> web.Response:
-        return web.json_response(
-            {"ready": ready.is_set(), "version": actor.version}, status=200 if ready.is_set() else 503
-        )
+        body = {"ready": ready.is_set(), "version": actor.serving, "updates": actor.updates}
+        return web.json_response(body, status=200 if ready.is_set() else 503)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -184,16 +208,9 @@ async def serve(options: argparse.Namespace) -> None:
 
 
 def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop) -> Any:
-    from kubernetes import client, config
+    from lockstep_workers.agent import AgentCore, PodAgent, pod_api
 
-    from lockstep_workers.agent import AgentCore, PodAgent
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    core = AgentCore(LoopEngine(actor, loop))
-    return PodAgent(core, client.CoreV1Api(), os.environ["POD_NAMESPACE"], os.environ["POD_NAME"])
+    return PodAgent(AgentCore(LoopEngine(actor, loop)), pod_api(), os.environ["POD_NAMESPACE"], os.environ["POD_NAME"])
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kubernetes import client, watch
+from kubernetes import client, config, watch
 
 from lockstep import keys
 from lockstep.api import Ack, BarrierPhase, Command, Weights
@@ -82,6 +82,15 @@ class AgentCore:
         if not self.paused:
             self.engine.pause()
             self.paused = True
+
+
+def pod_api() -> client.CoreV1Api:
+    """The Kubernetes API as this pod's service account (in a cluster), or as $KUBECONFIG says."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.CoreV1Api()
 
 
 def command_from(annotations: dict[str, Any]) -> Command | None:

@@ -1,45 +1,77 @@
-"""The trainer's learning step: token logprobs with the lm_head in fp32, group-normalised advantages,
-the objective of lockstep_workers.objective, one optimiser step, and the weights to publish.
+"""The trainer: token logprobs with the lm_head in fp32, group-normalised advantages, the objective
+of lockstep_workers.objective and one optimiser step (``learn``); and the loop the trainer pod runs.
 
-What drives it (rollouts from the actors, rewards, announcing weights on the pod) is the trainer
-loop; this module is the part that learns, and a test shows a tiny model learning with it.
+``python -m lockstep_workers.trainer --model=PATH --settings=JSON`` (the RLJob's spec.trainer
+training fields, rendered by the operator). Each step rank 0 samples rollouts from the actors
+($LOCKSTEP_ACTORS_URL, comma-separated), scores them with the job's reward function and hands each
+rank whole prompt groups; the ranks average their gradients (torch.distributed: gloo on CPU, NCCL on
+GPU, from $RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT); rank 0 then publishes the weights under
+$LOCKSTEP_SHARED_DIR/weights, announces them on its own pod (the operator runs the barrier), appends
+the step's metrics to $LOCKSTEP_SHARED_DIR/metrics.jsonl and serves them to Prometheus. Rollouts of
+the next step are sampled while the actors take the update in flight; each token carries the version
+it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import json
+import logging
+import os
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from prometheus_client import Gauge, start_http_server
 
-from lockstep.api import Objective
+from lockstep import keys
+from lockstep.api import DType, Objective, TrainerParity, Training, Weights
+from lockstep.barrier import document
 from lockstep_workers.objective import Batch, policy_loss
+from lockstep_workers.weights import publish
+
+logger = logging.getLogger("lockstep.trainer")
 
 RewardFunction = Callable[[list[int], list[int]], float]
 """reward(prompt token ids, completion token ids) -> a scalar reward."""
+PromptSource = Callable[[int, int, int], list[list[int]]]
+"""prompts(step, count, seed) -> ``count`` prompts as token id lists."""
+
+
+def load_callable(reference: str) -> Any:
+    """The callable named ``package.module:function`` (RLJob spec.trainer.reward and .prompts)."""
+    module, _, name = reference.partition(":")
+    if not name:
+        raise ValueError(f"{reference!r}: expected 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{reference!r} cannot be imported in the trainer's image: {error}") from error
 
 
 def load_reward(reference: str) -> RewardFunction:
-    """The reward callable named ``package.module:function`` (RLJob spec.trainer.args.reward)."""
-    module, _, name = reference.partition(":")
-    if not name:
-        raise ValueError(f"reward {reference!r}: expected 'package.module:function'")
-    function: RewardFunction = getattr(importlib.import_module(module), name)
+    function: RewardFunction = load_callable(reference)
     return function
 
 
 @dataclass(frozen=True)
 class Rollout:
-    """One sampled completion, with the rollout engine's processed logprob of each token."""
+    """One sampled completion, with the rollout engine's processed logprob of each token and the
+    weights version each token was sampled under."""
 
     prompt: list[int]
     completion: list[int]
     logprobs: list[float]
     group: int  # completions of the same prompt share a group (GRPO/GSPO advantages)
+    versions: list[int] = field(default_factory=list)
 
 
 async def collect_rollouts(
@@ -57,7 +89,7 @@ async def collect_rollouts(
             async with session.post(url, json={"prompt_token_ids": prompt, "sampling": sampling}) as response:
                 response.raise_for_status()
                 body = await response.json()
-            return Rollout(list(prompt), body["token_ids"], body["logprobs"], index)
+            return Rollout(list(prompt), body["token_ids"], body["logprobs"], index, body["weights_versions"])
 
         return list(await asyncio.gather(*(one(n, i, p) for n, (i, p) in enumerate(requests))))
 
@@ -110,18 +142,289 @@ def learn(
     rewards: Sequence[float],
     objective: Objective,
     temperature: float,
+    *,
+    fp32_head: bool = True,
+    version: int | None = None,
+    synchronize: Callable[[torch.nn.Module], None] | None = None,
 ) -> dict[str, float]:
-    """One optimiser step on a batch of rollouts; the step's metrics."""
+    """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt
+    groups); the step's metrics, averaged over the minibatches.
+
+    The ratios are taken against the model as it was when the batch arrived (``old``), so they depart
+    from 1, and clipping acts, from the second minibatch on. ``version`` is the weights version the
+    model holds: tokens sampled under it give the on-policy mismatch (``onpolicy_mean_abs_logprob_diff``,
+    pure numerics) and the others the ``lag``. ``synchronize`` runs between backward and each optimiser
+    step (the ranks' gradient all-reduce).
+    """
     with torch.no_grad():
-        old, _, _ = token_logprobs(model, rollouts, temperature)
-    new, entropy, mask = token_logprobs(model, rollouts, temperature)
+        old, _, mask = token_logprobs(model, rollouts, temperature, fp32_head=fp32_head)
     rollout = torch.zeros_like(old)
     for row, r in enumerate(rollouts):
         rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
     reward = torch.tensor(list(rewards), dtype=torch.float32)
-    advantages = group_advantages(reward, torch.tensor([r.group for r in rollouts]))
-    loss, metrics = policy_loss(Batch(new, old, rollout, advantages, mask, entropy.detach()), objective)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return {"reward": reward.mean().item(), **metrics}
+    groups = torch.tensor([r.group for r in rollouts])
+    advantages = group_advantages(reward, groups)
+    steps = []
+    for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
+        rows = torch.isin(groups, chunk).nonzero()[:, 0]
+        new, entropy, part_mask = token_logprobs(model, [rollouts[i] for i in rows], temperature, fp32_head=fp32_head)
+        width = new.shape[1]
+        batch = Batch(new, old[rows, :width], rollout[rows, :width], advantages[rows], part_mask, entropy.detach())
+        loss, metrics = policy_loss(batch, objective)
+        optimizer.zero_grad()
+        loss.backward()
+        if synchronize is not None:
+            synchronize(model)
+        optimizer.step()
+        steps.append(metrics)
+    averaged = {name: sum(m[name] for m in steps) / len(steps) for name in steps[0]}
+    if version is not None:
+        averaged.update(_staleness(rollouts, old, rollout, mask, version))
+    return {"reward": reward.mean().item(), **averaged}
+
+
+def _staleness(
+    rollouts: Sequence[Rollout], old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, version: int
+) -> dict[str, float]:
+    """Mismatch on the tokens of sequences sampled wholly under ``version`` (numerics alone: a sequence
+    that spans an in-flight update keeps KV computed under the old weights); how stale the rest was."""
+    versions = torch.full_like(mask, float(version))
+    for row, r in enumerate(rollouts):
+        versions[row, : len(r.versions)] = torch.tensor(r.versions, dtype=versions.dtype)
+    seen = versions.masked_fill(~mask.bool(), float(version))
+    onpolicy = mask * (seen == version).all(dim=1, keepdim=True).float()
+    spanning = (seen.amax(dim=1) != seen.amin(dim=1)).float()
+    return {
+        "onpolicy_mean_abs_logprob_diff": ((old - rollout).abs() * onpolicy).sum().item()
+        / max(onpolicy.sum().item(), 1),
+        "onpolicy_token_fraction": (onpolicy.sum() / mask.sum().clamp(min=1)).item(),
+        "spanning_sequence_fraction": spanning.mean().item(),
+        "lag": version - seen.min().item(),
+    }
+
+
+# -- the trainer pod's loop ---------------------------------------------------------------
+
+STEP_METRICS = (
+    "reward",
+    "entropy",
+    "clamp_log_ratio_new_old_indicator",
+    "kl_new_old",
+    "ess",
+    "mean_abs_logprob_diff",
+    "onpolicy_mean_abs_logprob_diff",
+    "onpolicy_token_fraction",
+    "spanning_sequence_fraction",
+    "lag",
+    "tis_weight_mean",
+    "loss",
+)
+"""Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>``."""
+GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
+STEP = Gauge("lockstep_trainer_step", "Optimiser steps done.")
+PUBLISHED = Gauge("lockstep_trainer_weights_version", "The newest weights version published and announced.")
+
+
+@dataclass(frozen=True)
+class PodEnvironment:
+    """What the operator sets in a trainer pod's environment."""
+
+    rank: int
+    world_size: int
+    actors: list[str]
+    shared_dir: Path
+    config: dict[str, Any]
+    pod: str | None
+    namespace: str | None
+    metrics_port: int
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> PodEnvironment:
+        config_file = environ.get("LOCKSTEP_CONFIG")
+        return cls(
+            rank=int(environ.get("RANK", "0")),
+            world_size=int(environ.get("WORLD_SIZE", "1")),
+            actors=[url.rstrip("/") for url in environ.get("LOCKSTEP_ACTORS_URL", "").split(",") if url],
+            shared_dir=Path(environ.get("LOCKSTEP_SHARED_DIR", ".")),
+            config=json.loads(Path(config_file).read_text()) if config_file else {},
+            pod=environ.get("POD_NAME"),
+            namespace=environ.get("POD_NAMESPACE"),
+            metrics_port=int(environ.get("LOCKSTEP_METRICS_PORT", "0")),
+        )
+
+
+def wait_for_actors(actors: Sequence[str], timeout: float = 1800.0) -> None:
+    """Block until every actor URL answers /ready with 200 (each has loaded its weights)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(actors)
+    while waiting:
+        for url in list(waiting):
+            try:
+                with urllib.request.urlopen(f"{url}/ready", timeout=5) as response:
+                    if response.status == 200:
+                        waiting.remove(url)
+            except OSError:
+                pass
+        if waiting:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actors not ready after {timeout:.0f}s: {', '.join(waiting)}")
+            logger.info("waiting for %d of %d actor(s) to be ready: %s", len(waiting), len(actors), waiting[0])
+            time.sleep(2)
+
+
+def served_version(url: str) -> int | None:
+    """The weights version the actor behind ``url`` serves (any actor, through a Service), or None."""
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=5) as response:
+            return int(json.loads(response.read())["version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def wait_for_version(url: str, version: int) -> None:
+    """Block until the actors serve ``version`` or newer.
+
+    One actor's answer speaks for all: the barrier resumes no actor before every one has loaded. A
+    barrier that never ends is the operator's to fail (spec.weightSync.barrierTimeoutSeconds), which
+    deletes this pod.
+    """
+    logged = time.monotonic()
+    while (served_version(url) or 0) < version:
+        if time.monotonic() - logged > 10:
+            logger.info("waiting for the actors to serve weights version %d (spec.trainer.maxLag)", version)
+            logged = time.monotonic()
+        time.sleep(0.1)
+
+
+def _average_gradients(model: torch.nn.Module) -> None:
+    world = dist.get_world_size()
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= world
+
+
+def _across_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank's metrics combined: the mean, but the largest lag."""
+    names = sorted(metrics)
+    values = torch.tensor([metrics[name] for name in names], dtype=torch.float64)
+    largest = values.clone()
+    dist.all_reduce(values)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    combined = dict(zip(names, (values / dist.get_world_size()).tolist(), strict=True))
+    combined["lag"] = largest[names.index("lag")].item()
+    return combined
+
+
+def announce(weights: Weights, namespace: str, pod: str) -> None:
+    """Write ``lockstep.dev/weights`` on this trainer pod (the only place the operator reads it from)."""
+    from lockstep_workers.agent import pod_api
+
+    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {keys.WEIGHTS: document(weights)}}})
+
+
+def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
+    """The whole job, as one rank: ``settings.steps`` steps; rank 0 publishes and announces each version."""
+    from transformers import AutoModelForCausalLM
+
+    leader = env.rank == 0
+    distributed = env.world_size > 1
+    if distributed:
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", rank=env.rank, world_size=env.world_size
+        )
+    torch.manual_seed(settings.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.objective.learning_rate)
+    parity = TrainerParity.model_validate(env.config.get("trainer", {}))
+    fp32_head = parity.lm_head_dtype is DType.FLOAT32
+    reward: RewardFunction = load_callable(settings.reward)
+    prompts: PromptSource = load_callable(settings.prompts)
+    rollout = settings.rollout
+    sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens}
+    metrics_file = env.shared_dir / "metrics.jsonl"
+    if leader:
+        if not env.actors:
+            raise SystemExit("LOCKSTEP_ACTORS_URL is empty: the trainer has no actors to sample from")
+        if env.metrics_port:
+            start_http_server(env.metrics_port)
+        wait_for_actors(env.actors)
+    for step in range(1, settings.steps + 1):
+        started = time.monotonic()
+        batch: list[Any] = [None]
+        if leader:
+            wait_for_version(env.actors[0], step - 1 - settings.max_lag)
+            sampled = asyncio.run(
+                collect_rollouts(
+                    env.actors,
+                    prompts(step, rollout.prompts_per_step, settings.seed),
+                    rollout.samples_per_prompt,
+                    sampling,
+                )
+            )
+            batch = [(sampled, [reward(r.prompt, r.completion) for r in sampled])]
+        if distributed:
+            dist.broadcast_object_list(batch, src=0)
+        everything, rewards = batch[0]
+        mine = [n for n, r in enumerate(everything) if r.group % env.world_size == env.rank]
+        metrics = learn(
+            model,
+            optimizer,
+            [everything[n] for n in mine],
+            [rewards[n] for n in mine],
+            settings.objective,
+            rollout.temperature,
+            fp32_head=fp32_head,
+            version=step - 1,
+            synchronize=_average_gradients if distributed else None,
+        )
+        if distributed:
+            metrics = _across_ranks(metrics)
+        if not leader:
+            continue
+        metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
+        weights = publish(model.state_dict(), env.shared_dir / "weights", version=step)
+        if env.pod and env.namespace:
+            announce(weights, env.namespace, env.pod)
+        record = {"step": step, "version": step, "seconds": round(time.monotonic() - started, 3), **metrics}
+        with metrics_file.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+        for name, gauge in GAUGES.items():
+            gauge.set(metrics[name])
+        STEP.set(step)
+        PUBLISHED.set(step)
+        budget = parity.mismatch_budget.mean_abs_logprob_diff
+        if metrics["onpolicy_mean_abs_logprob_diff"] > budget:
+            logger.warning(
+                "step %d: mean |logprob difference| %.2e on on-policy tokens exceeds the ParityPolicy budget %.2e",
+                step,
+                metrics["onpolicy_mean_abs_logprob_diff"],
+                budget,
+            )
+        logger.info(
+            "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, lag %d, %.1fs; announced weights version %d",
+            step,
+            settings.steps,
+            metrics["reward"],
+            metrics["clamp_log_ratio_new_old_indicator"],
+            metrics["kl_new_old"],
+            metrics["ess"],
+            metrics["lag"],
+            record["seconds"],
+            step,
+        )
+    if distributed:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m lockstep_workers.trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="path of the base model")
+    parser.add_argument("--settings", required=True, help="the RLJob's training settings, as JSON")
+    options = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    train(options.model, Training.model_validate_json(options.settings), PodEnvironment.from_environ(os.environ))
+
+
+if __name__ == "__main__":
+    main()

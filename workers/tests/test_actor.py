@@ -72,7 +72,6 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
     async def scenario() -> dict[str, Any]:
         llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), settings))
         actor = Actor(llm)
-        actor.version = 0
         try:
             request = asyncio.create_task(actor.generate(prompt, sampling))
             await asyncio.sleep(0.5)
@@ -80,9 +79,13 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
             wrong = weights.model_copy(update={"digest": "sha256:" + "0" * 64})
             with pytest.raises(DigestMismatch):
                 await actor.load(wrong)
-            assert actor.version == 0, "a refused load changes nothing"
+            assert actor.loaded == actor.serving == 0, "a refused load changes nothing"
             await actor.load(weights)
+            assert actor.serving == 0, "until resumed, tokens are the old weights' (sampled before the pause)"
             await actor.resume()
+            [update] = actor.updates
+            assert update["version"] == actor.serving == 1
+            assert update["pausedAt"] <= update["loadedAt"] <= update["resumedAt"]  # type: ignore[operator]
             return await request
         finally:
             llm.shutdown()
@@ -190,7 +193,7 @@ def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path
     from transformers import AutoModelForCausalLM
 
     from lockstep.api import Objective
-    from lockstep_workers.rewards import target_token
+    from lockstep_workers.rewards import target_words
     from lockstep_workers.trainer import collect_rollouts, learn
 
     with actor_process(tmp_path) as (base, model_dir, _):
@@ -202,7 +205,7 @@ def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path
         model,
         torch.optim.Adam(model.parameters(), lr=1e-3),
         rollouts,
-        [target_token(r.prompt, r.completion) for r in rollouts],
+        [target_words(r.prompt, r.completion) for r in rollouts],
         Objective(),
         0.7,
     )

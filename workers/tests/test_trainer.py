@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from lockstep.api import Objective, TruncatedImportanceSampling
-from lockstep_workers.rewards import target_token
+from lockstep_workers.rewards import target_words
 from lockstep_workers.tiny_model import create_tiny_llama
 from lockstep_workers.trainer import Rollout, learn, load_reward, token_logprobs
 
@@ -44,8 +44,8 @@ def test_reward_rises_on_the_tiny_task(tmp_path: Path) -> None:
         learning_rate=3e-3,
         truncated_importance_sampling=TruncatedImportanceSampling(enabled=True, cap=2.0),
     )
-    reward = load_reward("lockstep_workers.rewards:target_token")
-    assert reward is target_token
+    reward = load_reward("lockstep_workers.rewards:target_words")
+    assert reward is target_words
     prompts = [[1, 10, 11], [1, 20, 21], [1, 30, 31], [1, 40, 41]]
     history = []
     for _ in range(25):
