@@ -1,7 +1,9 @@
-"""The local demo: a real control plane, Lockstep installed, the operator running, a sample RLJob,
-and two in-flight weight updates through the barrier (simulated agents in the actor pods).
+"""The local demo: a real control plane, Lockstep installed, the operator running, and an RLJob that
+trains a tiny random Llama on the CPU: the operator's pods run as local processes (two vLLM actors,
+two torch trainer ranks), the trainer announces new weights every step and the operator carries each
+to the actors in an in-flight barrier. Ends with the job's status, a metrics table and a PNG plot.
 
-``python -m lockstep_e2e.demo [--keep]`` (``make demo`` builds what it needs first).
+``python -m lockstep_e2e.demo [--steps N] [--keep]`` (``make demo`` builds what it needs first).
 """
 
 from __future__ import annotations
@@ -13,17 +15,18 @@ import subprocess
 import time
 from pathlib import Path
 
-import yaml
 from kubernetes import client
+from rich.console import Console
+from rich.table import Table
 
 from lockstep_e2e import build
-from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO, install, start_operator
-from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase
+from lockstep_e2e.jobs import condition
+from lockstep_e2e.rl import RunResult, plot, run_tiny_rl_job
 
-SAMPLE = REPO / "examples" / "rljob-tiny.yaml"
 NAMESPACE = "demo"
+JOB = "tiny"
 
 
 def step(message: str) -> None:
@@ -36,9 +39,29 @@ def kubectl(cluster: LocalCluster, *args: str) -> None:
     subprocess.run([str(build.bin_dir() / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", *args], check=True)
 
 
+def metrics_table(result: RunResult) -> Table:
+    table = Table(title=f"RLJob {JOB}: the trainer's metrics per step (metrics.jsonl)")
+    columns = (
+        ("step", "step", "{:.0f}"),
+        ("reward", "reward", "{:.3f}"),
+        ("clip rate", "clamp_log_ratio_new_old_indicator", "{:.3f}"),
+        ("KL new/old", "kl_new_old", "{:.1e}"),
+        ("ESS", "ess", "{:.3f}"),
+        ("|Δlogprob| on-policy", "onpolicy_mean_abs_logprob_diff", "{:.1e}"),
+        ("lag", "lag", "{:.0f}"),
+        ("seconds", "seconds", "{:.1f}"),
+    )
+    for title, _, _ in columns:
+        table.add_column(title, justify="right")
+    for record in result.steps:
+        table.add_row(*(form.format(record[key]) for _, key, form in columns))
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workdir", type=Path, default=REPO / "out" / "demo", help="cluster state and logs")
+    parser.add_argument("--steps", type=int, default=20, help="trainer steps (one weight update each)")
     parser.add_argument("--keep", action="store_true", help="keep the cluster running until Ctrl-C")
     options = parser.parse_args()
     workdir: Path = options.workdir
@@ -47,49 +70,35 @@ def main() -> None:
     workdir.mkdir(parents=True)
 
     step(f"starting the local control plane ({build.KUBERNETES_VERSION}, etcd, kwok) in {workdir}")
-    with LocalCluster(workdir) as cluster:
+    with LocalCluster(workdir / "cluster") as cluster:
         api = cluster.api_client()
         step("installing the CRDs, admission policies and the default ParityPolicy from crds/")
         install(api)
-        step("starting the operator (log: out/demo/operator.log)")
+        step(f"starting the operator (log: {workdir / 'operator.log'})")
         operator = start_operator(cluster, workdir / "operator.log")
         try:
             client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
-            manifest = yaml.safe_load(SAMPLE.read_text())
-            name = manifest["metadata"]["name"]
-            step(f"applying {SAMPLE.relative_to(REPO)} in namespace {NAMESPACE}")
-            create_job(api, NAMESPACE, manifest)
-            deadline = time.monotonic() + 120
-            while phase(get_job(api, NAMESPACE, name)) != "Running":
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"RLJob {name} did not reach Running; see {workdir / 'operator.log'}")
-                time.sleep(0.5)
-            step(f"RLJob {name} is Running")
-            actors = [f"{name}-actor-{i}" for i in range(manifest["spec"]["actors"]["replicas"])]
-            with running_agents(api, NAMESPACE, actors):
-                for version in (1, 2):
-                    step(f"the trainer announces weights version {version}; the operator runs the barrier")
-                    announce_weights(api, NAMESPACE, name, version)
-                    while get_job(api, NAMESPACE, name)["status"].get("weightsVersion") != version:
-                        time.sleep(0.2)
-            step("every actor paused, loaded and resumed twice (simulated agents, no-op loads)")
+            step(
+                f"applying RLJob {JOB} ({workdir / 'rljob.yaml'}): a tiny random Llama learns to say words w0-w31, "
+                f"{options.steps} steps; vLLM starts up in each actor first (about a minute on 2 cores)"
+            )
+            result = run_tiny_rl_job(cluster, api, NAMESPACE, workdir, name=JOB, steps=options.steps, progress=step)
+            status = result.job["status"]
+            outcome = condition(result.job, "Ready").get("message", "")
+            step(f"RLJob {JOB} {status['phase']} after {result.seconds:.0f}s: {outcome}")
             kubectl(cluster, "get", "paritypolicies")
             kubectl(cluster, "get", "rljobs", "-n", NAMESPACE)
-            kubectl(cluster, "get", "pods", "-n", NAMESPACE, "-o", "wide")
-            kubectl(
-                cluster,
-                "get",
-                "events",
-                "-n",
-                NAMESPACE,
-                "--field-selector=involvedObject.kind=RLJob",
-                "--sort-by=.metadata.creationTimestamp",
-            )
             history = (
-                "{range .status.barrierHistory[*]}{.version}{'  '}{.outcome}{'  '}{.seconds}s"
+                "{range .status.barrierHistory[*]}{'version '}{.version}{'  '}{.outcome}{'  '}{.seconds}s"
                 "{'  slowest: '}{.slowestPod}{'\\n'}{end}"
             )
-            kubectl(cluster, "get", "rljob", name, "-n", NAMESPACE, "-o", f"jsonpath={history}")
+            kubectl(cluster, "get", "rljob", JOB, "-n", NAMESPACE, "-o", f"jsonpath={history}")
+            Console().print(metrics_table(result))
+            rewards = [r["reward"] for r in result.steps]
+            step(f"reward {rewards[0]:.3f} at step 1 -> {rewards[-1]:.3f} at step {len(rewards)}")
+            step(f"plot of reward, clip rate, KL and ESS: {plot(result.steps, workdir / 'rl-metrics.png')}")
+            if status["phase"] != "Succeeded":
+                raise SystemExit(f"the job did not succeed; pod logs in {workdir / 'pods'}")
             if options.keep:
                 print(f"\nThe cluster keeps running: export KUBECONFIG={cluster.kubeconfig}  (Ctrl-C stops it)")
                 signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -116,6 +116,9 @@ class JobPods:
         self.actors = [pod_name(job, keys.ACTOR, i) for i in range(actors)]
         self.trainers = [pod_name(job, keys.TRAINER, r) for r in range(trainers)]
         self.urls: dict[str, str] = {}
+        """actor pod -> its local URL"""
+        self.metrics: dict[str, str] = {}
+        """pod -> the local URL of its Prometheus /metrics (every actor; trainer rank 0)"""
         self.processes: dict[str, Component] = {}
         self.exits: dict[str, int] = {}
         self._stop = threading.Event()
@@ -125,12 +128,18 @@ class JobPods:
         logs.mkdir(parents=True, exist_ok=True)
         for name in self.actors:
             port = free_port()
-            self.urls[name] = f"http://127.0.0.1:{port}"
+            self.urls[name] = self.metrics[name] = f"http://127.0.0.1:{port}"
             self._run(name, logs, args={"--port": str(port)})
         rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         for rank, name in enumerate(self.trainers):
-            metrics = str(free_port()) if rank == 0 else "0"
-            env = {**rendezvous, "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values()), "LOCKSTEP_METRICS_PORT": metrics}
+            metrics = free_port() if rank == 0 else 0
+            if metrics:
+                self.metrics[name] = f"http://127.0.0.1:{metrics}"
+            env = {
+                **rendezvous,
+                "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values()),
+                "LOCKSTEP_METRICS_PORT": str(metrics),
+            }
             self._run(name, logs, env=env)
         self._watcher.start()
         return self

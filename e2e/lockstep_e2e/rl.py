@@ -7,6 +7,7 @@ carries them to the actors in barriers. Used by the demo and the end-to-end test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
 
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
 from lockstep_e2e.podrunner import running_pods
+from lockstep_e2e.scrape import scrape
 from lockstep_workers.tiny_model import create_tiny_llama
 
 UPDATE_LINE = re.compile(r"weight update done: (\{.*\})")
@@ -56,6 +59,8 @@ class RunResult:
     """metrics.jsonl: one record per trainer step."""
     updates: dict[str, list[dict[str, Any]]]
     """actor pod -> the weight updates it logged (version, pausedAt, loadedAt, resumedAt)."""
+    scraped: dict[str, str]
+    """pod -> its last Prometheus scrape while the job ran (actors, trainer rank 0)."""
     seconds: float
 
 
@@ -72,19 +77,26 @@ def run_tiny_rl_job(
     timeout: float = 900.0,
     progress: Callable[[str], None] = print,
 ) -> RunResult:
-    """Create the job, run its pods until it finishes (or ``timeout``), and collect what it recorded."""
+    """Create the job (its manifest also written to ``workdir/rljob.yaml``), run its pods until it finishes
+    (or ``timeout``), and collect what it recorded."""
     started = time.monotonic()
     model = create_tiny_llama(workdir / "model")
     shared = workdir / "shared"
-    job = create_job(kube, namespace, tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers))
+    manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers)
+    (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    job = create_job(kube, namespace, manifest)
     metrics = shared / job["metadata"]["uid"] / "metrics.jsonl"
     while len(job_pods(kube, namespace, name)) < actors + trainers:
         time.sleep(0.2)
     progress(f"the operator created {actors} actor and {trainers} trainer pod(s); starting their containers")
     logs = workdir / "pods"
-    with running_pods(cluster, kube, namespace, name, actors, trainers, logs):
+    scraped: dict[str, str] = {}
+    with running_pods(cluster, kube, namespace, name, actors, trainers, logs) as pods:
         reported = 0
         while phase(job := get_job(kube, namespace, name)) not in ("Succeeded", "Failed"):
+            for pod, url in pods.metrics.items():
+                with contextlib.suppress(OSError):
+                    scraped[pod] = scrape(url)
             if time.monotonic() - started > timeout:
                 raise TimeoutError(f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}")
             records = _records(metrics)
@@ -99,10 +111,37 @@ def run_tiny_rl_job(
         pod: [json.loads(m.group(1)) for m in UPDATE_LINE.finditer((logs / f"{pod}.log").read_text())]
         for pod in (f"{name}-actor-{i}" for i in range(actors))
     }
-    return RunResult(job, _records(metrics), updates, time.monotonic() - started)
+    return RunResult(job, _records(metrics), updates, scraped, time.monotonic() - started)
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+PLOTTED = (
+    ("reward", "reward"),
+    ("clamp_log_ratio_new_old_indicator", "clip rate"),
+    ("kl_new_old", "KL(new || old)"),
+    ("ess", "ESS of rollout→trainer weights"),
+)
+
+
+def plot(steps: list[dict[str, Any]], path: Path) -> Path:
+    """Reward, clip rate, KL and ESS over the steps, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2), constrained_layout=True)
+    x = [r["step"] for r in steps]
+    for axis, (key, title) in zip(axes, PLOTTED, strict=True):
+        axis.plot(x, [r[key] for r in steps], marker="o", markersize=3)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -11,6 +11,7 @@ from kubernetes import client
 from lockstep.api import MismatchBudget
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.rl import run_tiny_rl_job
+from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep")]
 
@@ -18,7 +19,7 @@ STEPS = 16
 
 
 def test_an_rl_job_learns_with_in_flight_weight_updates(
-    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path, operator_metrics_port: int
 ) -> None:
     result = run_tiny_rl_job(cluster, kube, namespace, tmp_path, steps=STEPS, actors=2, trainers=2)
     status = result.job["status"]
@@ -52,3 +53,13 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
     )
     assert worst <= budget
     assert max(r["lag"] for r in result.steps) <= 1, "spec.trainer.maxLag 1 bounds how stale a token can be"
+
+    exported = exported_metrics(scrape(f"http://127.0.0.1:{operator_metrics_port}"))
+    assert set(result.scraped) == {"tiny-actor-0", "tiny-actor-1", "tiny-trainer-0"}
+    for text in result.scraped.values():
+        exported |= exported_metrics(text)
+    used = dashboard_metrics()
+    assert {n for n in used if n.startswith("lockstep_trainer_")} and {
+        n for n in used if n.startswith("lockstep_actor")
+    }
+    assert used <= exported, f"the dashboard uses metrics nobody exports: {sorted(used - exported)}"
