@@ -107,6 +107,7 @@ def run_tiny_rl_job(
                 )
             reported = len(records)
             time.sleep(1)
+        progress(f"RLJob {name} {phase(job)}; stopping its pods' local processes (vLLM shuts down)")
     updates = {
         pod: [json.loads(m.group(1)) for m in UPDATE_LINE.finditer((logs / f"{pod}.log").read_text())]
         for pod in (f"{name}-actor-{i}" for i in range(actors))

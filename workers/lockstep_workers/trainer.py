@@ -232,7 +232,8 @@ class PodEnvironment:
     rank: int
     world_size: int
     actors: list[str]
-    shared_dir: Path
+    shared_dir: Path | None
+    """The job's directory on the shared volume (spec.weightSync.volume); None without one."""
     config: dict[str, Any]
     pod: str | None
     namespace: str | None
@@ -245,7 +246,7 @@ class PodEnvironment:
             rank=int(environ.get("RANK", "0")),
             world_size=int(environ.get("WORLD_SIZE", "1")),
             actors=[url.rstrip("/") for url in environ.get("LOCKSTEP_ACTORS_URL", "").split(",") if url],
-            shared_dir=Path(environ.get("LOCKSTEP_SHARED_DIR", ".")),
+            shared_dir=Path(environ["LOCKSTEP_SHARED_DIR"]) if "LOCKSTEP_SHARED_DIR" in environ else None,
             config=json.loads(Path(config_file).read_text()) if config_file else {},
             pod=environ.get("POD_NAME"),
             namespace=environ.get("POD_NAMESPACE"),
@@ -327,6 +328,11 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
     """The whole job, as one rank: ``settings.steps`` steps; rank 0 publishes and announces each version."""
     from transformers import AutoModelForCausalLM
 
+    if env.shared_dir is None:
+        raise SystemExit(
+            "LOCKSTEP_SHARED_DIR is not set: this pod has no shared weights volume. These workers implement the "
+            "filesystem transport only; set spec.weightSync.backend: filesystem and spec.weightSync.volume"
+        )
     leader = env.rank == 0
     distributed = env.world_size > 1
     if distributed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from lockstep.api import Objective, TruncatedImportanceSampling
@@ -58,3 +59,31 @@ def test_reward_rises_on_the_tiny_task(tmp_path: Path) -> None:
     first, last = sum(m["reward"] for m in history[:5]) / 5, sum(m["reward"] for m in history[-5:]) / 5
     print(f"mean reward over the first 5 steps {first:.3f}, over the last 5 {last:.3f}")
     assert last > first + 0.2, f"reward {first:.3f} -> {last:.3f}"
+
+
+def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_version(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(create_tiny_llama(tmp_path / "model"), dtype=torch.float32)
+    [exact] = sample(model, [[1, 10, 11]], group=1, length=4)
+    off = [lp - 0.5 for lp in exact.logprobs]  # as if sampled under other weights
+    rollouts = [
+        Rollout(exact.prompt, exact.completion, exact.logprobs, 0, [3, 3, 3, 3]),
+        Rollout(exact.prompt, exact.completion, off, 0, [2, 2, 3, 3]),  # spans an update: KV from version 2
+    ]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = learn(model, optimizer, rollouts, [0.0, 1.0], Objective(minibatches=1), TEMPERATURE, version=3)
+    assert metrics["onpolicy_mean_abs_logprob_diff"] < 1e-5, "only the first sequence counts"
+    assert metrics["mean_abs_logprob_diff"] > 0.2, "over all tokens the second sequence's offset shows"
+    assert metrics["onpolicy_token_fraction"] == 0.5
+    assert metrics["spanning_sequence_fraction"] == 0.5
+    assert metrics["lag"] == 1
+
+
+def test_the_trainer_refuses_to_run_without_a_shared_volume(tmp_path: Path) -> None:
+    from lockstep.api import Training
+    from lockstep_workers.trainer import PodEnvironment, train
+
+    env = PodEnvironment(0, 1, ["http://actors:8000"], None, {}, None, None, 0)
+    with pytest.raises(SystemExit, match=r"spec\.weightSync\.volume"):
+        train(str(tmp_path), Training(reward="lockstep_workers.rewards:target_words"), env)
