@@ -1,7 +1,8 @@
 """The local demo: a real control plane, Lockstep installed, the operator running, and an RLJob that
-trains a tiny random Llama on the CPU: the operator's pods run as local processes (two vLLM actors,
-two torch trainer ranks), the trainer announces new weights every step and the operator carries each
-to the actors in an in-flight barrier. Ends with the job's status, a metrics table and a PNG plot.
+trains a tiny random Llama on the CPU after a preflight parity check. The operator's pods run as
+local processes (the preflight pod, then two vLLM actors and two torch trainer ranks); the trainer
+announces new weights every step and the operator carries each to the actors in an in-flight
+barrier. Ends with the job's status, a metrics table and a PNG plot.
 
 ``python -m lockstep_e2e.demo [--steps N] [--keep]`` (``make demo`` builds what it needs first).
 """
@@ -82,8 +83,22 @@ def main() -> None:
                 f"applying RLJob {JOB} ({workdir / 'rljob.yaml'}): a tiny random Llama learns to say words w0-w31, "
                 f"{options.steps} steps; vLLM starts up in each actor first (about a minute on 2 cores)"
             )
-            result = run_tiny_rl_job(cluster, api, NAMESPACE, workdir, name=JOB, steps=options.steps, progress=step)
+            result = run_tiny_rl_job(
+                cluster,
+                api,
+                NAMESPACE,
+                workdir,
+                name=JOB,
+                steps=options.steps,
+                progress=step,
+                preflight={"enabled": True},
+            )
             status = result.job["status"]
+            if preflight := status.get("preflight"):
+                step(
+                    f"preflight parity check: mean |Δlogprob| {preflight['meanAbsLogprobDiff']:.2e}, after an "
+                    f"in-flight update with shared prompts {preflight['sharedPrefixMeanAbsLogprobDiff']:.2e}"
+                )
             outcome = condition(result.job, "Ready").get("message", "")
             step(f"RLJob {JOB} {status['phase']} after {result.seconds:.0f}s: {outcome}")
             kubectl(cluster, "get", "paritypolicies")

@@ -106,6 +106,30 @@ def run_pod(
     return process
 
 
+def report_exit(api: client.ApiClient, namespace: str, pod: str, code: int) -> None:
+    """Set the pod's phase from its container's exit code, as a kubelet would."""
+    phase = "Succeeded" if code == 0 else "Failed"
+    try:
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod, namespace, {"status": {"phase": phase}})
+    except ApiException as error:
+        if error.status != 404:
+            raise
+
+
+def run_to_completion(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, pod: str, log: Path, timeout: float
+) -> int:
+    """Run the pod's container until it exits; report the exit as the pod's phase and return the code."""
+    component = run_pod(cluster, api, namespace, pod, log)
+    assert component.process is not None
+    try:
+        code = component.process.wait(timeout=timeout)
+    finally:
+        component.stop()
+    report_exit(api, namespace, pod, code)
+    return code
+
+
 class JobPods:
     """The pods of one RLJob, run locally until stopped; see the module docstring."""
 
@@ -156,12 +180,7 @@ class JobPods:
                 code = component.process.poll() if component.process else None
                 if code is not None and name not in self.exits:
                     self.exits[name] = code
-                    phase = "Succeeded" if code == 0 else "Failed"
-                    try:
-                        core.patch_namespaced_pod_status(name, self.namespace, {"status": {"phase": phase}})
-                    except ApiException as error:
-                        if error.status != 404:
-                            raise
+                    report_exit(self.api, self.namespace, name, code)
                 elif code is None and self._deleted(core, name):
                     component.stop(grace_seconds=60)
 

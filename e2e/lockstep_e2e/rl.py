@@ -19,17 +19,21 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from lockstep import keys
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
-from lockstep_e2e.podrunner import running_pods
+from lockstep_e2e.podrunner import run_to_completion, running_pods
 from lockstep_e2e.scrape import scrape
 from lockstep_workers.tiny_model import create_tiny_llama
 
 UPDATE_LINE = re.compile(r"weight update done: (\{.*\})")
 
 
-def tiny_rl_job(name: str, model: Path, shared: Path, *, steps: int, actors: int, trainers: int) -> dict[str, Any]:
-    """An RLJob that teaches the tiny random Llama at ``model`` the demo task, on the CPU."""
+def tiny_rl_job(
+    name: str, model: Path, shared: Path, *, steps: int, actors: int, trainers: int, **spec: Any
+) -> dict[str, Any]:
+    """An RLJob that teaches the tiny random Llama at ``model`` the demo task, on the CPU; ``spec`` adds
+    top-level spec fields."""
     return rljob(
         name,
         actors=actors,
@@ -49,6 +53,7 @@ def tiny_rl_job(name: str, model: Path, shared: Path, *, steps: int, actors: int
             },
         },
         actor_env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
+        **spec,
     )
 
 
@@ -76,20 +81,44 @@ def run_tiny_rl_job(
     trainers: int = 2,
     timeout: float = 900.0,
     progress: Callable[[str], None] = print,
+    watch: Callable[[dict[str, Any]], None] | None = None,
+    **spec: Any,
 ) -> RunResult:
-    """Create the job (its manifest also written to ``workdir/rljob.yaml``), run its pods until it finishes
-    (or ``timeout``), and collect what it recorded."""
+    """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec
+    fields), run its pods until it finishes (or ``timeout``; ``watch`` sees the job every second), and
+    collect what it recorded. With
+    ``preflight: {enabled: true}`` the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
     model = create_tiny_llama(workdir / "model")
     shared = workdir / "shared"
-    manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers)
+    manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers, **spec)
     (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     job = create_job(kube, namespace, manifest)
     metrics = shared / job["metadata"]["uid"] / "metrics.jsonl"
-    while len(job_pods(kube, namespace, name)) < actors + trainers:
+    logs = workdir / "pods"
+    logs.mkdir(parents=True, exist_ok=True)
+    if spec.get("preflight", {}).get("enabled"):
+        checker = f"{name}-preflight-0"
+        while not any(p.metadata.name == checker for p in job_pods(kube, namespace, name)):
+            time.sleep(0.2)
+        progress(f"the operator created {checker}: checking train-inference parity before training")
+        code = run_to_completion(cluster, kube, namespace, checker, logs / f"{checker}.log", timeout)
+        progress(f"{checker} exited with {code}")
+        # One status write records the result and, when it is over budget, the Failed phase.
+        while (outcome := get_job(kube, namespace, name)).get("status", {}).get("preflight") is None:
+            if phase(outcome) == "Failed":
+                break
+            time.sleep(0.2)
+        if phase(outcome) == "Failed":
+            return RunResult(outcome, [], {}, {}, time.monotonic() - started)
+
+    def training_pods() -> int:
+        roles = [(p.metadata.labels or {}).get(keys.ROLE) for p in job_pods(kube, namespace, name)]
+        return sum(1 for role in roles if role in (keys.ACTOR, keys.TRAINER))
+
+    while training_pods() < actors + trainers:
         time.sleep(0.2)
     progress(f"the operator created {actors} actor and {trainers} trainer pod(s); starting their containers")
-    logs = workdir / "pods"
     scraped: dict[str, str] = {}
     with running_pods(cluster, kube, namespace, name, actors, trainers, logs) as pods:
         reported = 0
@@ -106,6 +135,8 @@ def run_tiny_rl_job(
                     f"actors serve v{job['status'].get('weightsVersion') or 0}, lag {record['lag']:.0f}"
                 )
             reported = len(records)
+            if watch is not None:
+                watch(job)
             time.sleep(1)
         progress(f"RLJob {name} {phase(job)}; stopping its pods' local processes (vLLM shuts down)")
     updates = {

@@ -1,15 +1,19 @@
 """An RLJob learns the tiny task end to end: the operator's pods, real vLLM actors and torch trainer
-ranks, weights updated in flight through barriers."""
+ranks, weights updated in flight through barriers; the preflight parity check and the live one."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 
 from lockstep.api import MismatchBudget
+from lockstep.parity import default_policy
 from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods
 from lockstep_e2e.rl import run_tiny_rl_job
 from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
 
@@ -21,9 +25,15 @@ STEPS = 16
 def test_an_rl_job_learns_with_in_flight_weight_updates(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path, operator_metrics_port: int
 ) -> None:
-    result = run_tiny_rl_job(cluster, kube, namespace, tmp_path, steps=STEPS, actors=2, trainers=2)
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=STEPS, actors=2, trainers=2, preflight={"enabled": True}
+    )
     status = result.job["status"]
     assert status["phase"] == "Succeeded", status
+    assert status["preflight"]["meanAbsLogprobDiff"] < MismatchBudget().mean_abs_logprob_diff
+    assert any(e.reason == "PreflightPassed" for e in events_for(kube, namespace, "tiny"))
+    assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"
+    assert status["mismatch"]["step"] >= 1, "the trainer's live measurement reached the status"
     assert [r["step"] for r in result.steps] == list(range(1, STEPS + 1))
 
     rewards = [r["reward"] for r in result.steps]
@@ -63,3 +73,75 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
         n for n in used if n.startswith("lockstep_actor")
     }
     assert used <= exported, f"the dashboard uses metrics nobody exports: {sorted(used - exported)}"
+
+
+@pytest.fixture
+def budget_policy(kube: client.ApiClient, namespace: str) -> Iterator[Callable[[float, str], str]]:
+    """``budget_policy(meanAbsLogprobDiff, onExceeded)``: the default policy's locks with that mismatch budget."""
+    custom = client.CustomObjectsApi(kube)
+    created: list[str] = []
+
+    def create(budget: float, on_exceeded: str) -> str:
+        body = default_policy().model_dump(mode="json", by_alias=True)
+        name = f"budget-{namespace}"[:60]
+        body["metadata"] = {"name": name}
+        body["spec"]["default"] = False
+        body["spec"]["trainer"]["mismatchBudget"] = {"meanAbsLogprobDiff": budget, "onExceeded": on_exceeded}
+        custom.create_cluster_custom_object(*POLICIES, body)
+        created.append(name)
+        return name
+
+    yield create
+    for name in created:
+        custom.delete_cluster_custom_object(*POLICIES, name)
+
+
+def test_a_preflight_over_budget_stops_the_job_before_training(
+    cluster: LocalCluster,
+    kube: client.ApiClient,
+    namespace: str,
+    tmp_path: Path,
+    budget_policy: Callable[[float, str], str],
+) -> None:
+    strict = budget_policy(1e-12, "Warn")  # even fp32 on both sides differs by ~1e-7
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=2, preflight={"enabled": True}, parityPolicy=strict
+    )
+    assert result.job["status"]["phase"] == "Failed"
+    parity = condition(result.job, "ParityLocked")
+    assert parity["status"] == "False" and parity["reason"] == "MismatchBudgetExceeded"
+    assert "the preflight parity check is over budget: mean |Δlogprob|" in parity["message"]
+    assert "budget 1e-12" in parity["message"]
+    roles = {p.metadata.labels["lockstep.dev/role"] for p in job_pods(kube, namespace, "tiny")}
+    assert roles <= {"preflight"}, "no actor or trainer pod was ever created"
+
+
+def test_a_live_mismatch_over_budget_holds_weight_updates_until_the_budget_is_raised(
+    cluster: LocalCluster,
+    kube: client.ApiClient,
+    namespace: str,
+    tmp_path: Path,
+    budget_policy: Callable[[float, str], str],
+) -> None:
+    tight = budget_policy(1e-12, "Pause")
+    held: dict[str, object] = {}
+
+    def watch(job: dict[str, object]) -> None:
+        """Once the job is held, check it stays held, then raise the budget."""
+        degraded = condition(job, "ParityDegraded")
+        if degraded.get("reason") != "MismatchBudgetExceeded" or held:
+            return
+        held["message"] = degraded["message"]
+        time.sleep(5)
+        held["version"] = get_job(kube, namespace, "tiny")["status"].get("weightsVersion")
+        client.CustomObjectsApi(kube).patch_cluster_custom_object(
+            *POLICIES, tight, {"spec": {"trainer": {"mismatchBudget": {"meanAbsLogprobDiff": 1.0}}}}
+        )
+
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=4, actors=1, trainers=1, parityPolicy=tight, watch=watch
+    )
+    assert "weight updates are held" in str(held["message"]) and "budget 1e-12" in str(held["message"])
+    assert held["version"] is None, "no weight update while the mismatch was over budget"
+    assert result.job["status"]["phase"] == "Succeeded" and result.job["status"]["weightsVersion"] == 4
+    assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"

@@ -155,7 +155,12 @@ def manifests() -> list[dict[str, Any]]:
 BARRIER_POLICY = "lockstep-barrier-annotations"
 OPERATOR_KEYS = {"barrier": keys.BARRIER, "initialWeights": keys.INITIAL_WEIGHTS}
 """Annotations only the operator writes, by the CEL variable that says whether a request changes them."""
-POD_KEYS = {"barrierAck": keys.BARRIER_ACK, "weights": keys.WEIGHTS}
+POD_KEYS = {
+    "barrierAck": keys.BARRIER_ACK,
+    "weights": keys.WEIGHTS,
+    "mismatch": keys.MISMATCH,
+    "preflight": keys.PREFLIGHT,
+}
 """Annotations a pod writes on itself only."""
 
 

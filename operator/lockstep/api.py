@@ -110,11 +110,22 @@ class PauseMode(StrEnum):
     WAIT = "wait"
 
 
+class BudgetAction(StrEnum):
+    WARN = "Warn"
+    PAUSE = "Pause"
+
+
 class MismatchBudget(Model):
     mean_abs_logprob_diff: Annotated[float, Field(gt=0)] = Field(
         0.02,
         description="Largest mean |logprob_trainer - logprob_rollout| tolerated on tokens sampled under the "
         "trainer's current weights (numerics only: stale tokens from in-flight updates are not counted).",
+    )
+    on_exceeded: BudgetAction = Field(
+        BudgetAction.WARN,
+        description="Warn: condition ParityDegraded and a Warning event. Pause: also hold weight updates (the "
+        "actors keep serving the last committed weights and the trainer waits, within spec.trainer.maxLag) "
+        "until the trainer's last measurement is within the budget again, e.g. after the budget is raised.",
     )
 
 
@@ -231,6 +242,11 @@ class RolloutSettings(Model):
     temperature: Annotated[float, Field(gt=0)] = Field(
         1.0, description="Sampling temperature; the trainer applies the same one to its logprobs."
     )
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0,
+        description="Nucleus sampling; the trainer applies vLLM's exact top-p mask to its logprobs, and leaves "
+        "out of the loss the few tokens that fall outside its own set (counted as outside_top_p_fraction).",
+    )
 
 
 class Training(Model):
@@ -314,6 +330,17 @@ class WeightSync(Model):
     on_timeout: TimeoutAction = TimeoutAction.FAIL_JOB
 
 
+class Preflight(Model):
+    enabled: bool = Field(
+        False,
+        description="Before training, a pod of its own (<job>-preflight-0, the actors' image) samples with the "
+        "job's effective vLLM configuration and recomputes the tokens with the trainer's forward pass; over the "
+        "ParityPolicy's mismatch budget, the job stops (ParityLocked=False, MismatchBudgetExceeded).",
+    )
+    prompts: Annotated[int, Field(ge=1, le=1024)] = 8
+    samples_per_prompt: Annotated[int, Field(ge=1, le=64)] = 4
+
+
 RLJOB_NAME_MAX = 45
 RLJOB_NAME_RULE = cel(
     f"size(self.metadata.name) <= {RLJOB_NAME_MAX}",
@@ -330,6 +357,7 @@ class RLJobSpec(Model):
     actors: ActorSpec
     trainer: TrainerSpec
     weight_sync: WeightSync
+    preflight: Preflight = Field(default_factory=Preflight)
     suspend: bool = False
     max_restarts: Annotated[int, Field(ge=0)] = 3
     ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
@@ -376,6 +404,30 @@ class Ack(Model):
     loaded_version: int | None = None
     digest: str | None = None
     error: str | None = None
+
+
+class Mismatch(Model):
+    """``lockstep.dev/mismatch``: the train-inference parity the trainer measured on its last step."""
+
+    protocol: int = PROTOCOL
+    step: int
+    mean_abs_logprob_diff: float = Field(
+        description="mean |logprob_trainer - logprob_rollout| on sequences sampled wholly under the trainer's weights"
+    )
+    token_fraction: float = Field(description="the fraction of the step's tokens that measurement covers")
+
+
+class PreflightResult(Model):
+    """``lockstep.dev/preflight``: what the preflight pod measured under the job's effective configuration."""
+
+    protocol: int = PROTOCOL
+    mean_abs_logprob_diff: float = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
+    shared_prefix_mean_abs_logprob_diff: float = Field(
+        description="the same, for requests that share a prompt with earlier ones, after an in-flight weight update"
+    )
+    clip_fraction: float = Field(description="tokens whose ratio leaves [1 - 0.2, 1 + 0.2]")
+    outside_top_p_per_thousand: float = Field(description="tokens outside the trainer's top-p set, per 1000")
+    tokens: int
 
 
 class BarrierStatus(Model):
@@ -463,6 +515,8 @@ class RLJobStatus(Model):
     lag: int | None = Field(None, description="Newest announced version minus the oldest version an actor serves.")
     barrier: BarrierStatus | None = Field(None, description="The weight update in flight.")
     barrier_history: list[BarrierRecord] = Field(default_factory=list, description="The most recent barriers.")
+    mismatch: Mismatch | None = Field(None, description="The trainer's last parity measurement.")
+    preflight: PreflightResult | None = Field(None, description="The preflight parity check's result.")
     config_fingerprint: str | None = None
     parity_policy: str | None = Field(None, description="The ParityPolicy that was applied.")
     restarts: int = 0

@@ -23,12 +23,14 @@ from lockstep.api import (
     BarrierRecord,
     BarrierStatus,
     Command,
+    Mismatch,
+    PreflightResult,
     TimeoutAction,
     Weights,
 )
 from lockstep.times import parse_rfc3339, rfc3339
 
-DocumentT = TypeVar("DocumentT", Weights, Command, Ack)
+DocumentT = TypeVar("DocumentT", Weights, Command, Ack, Mismatch, PreflightResult)
 HISTORY_LENGTH = 10
 ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
 NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
@@ -58,7 +60,7 @@ class Decision:
     """What happened, in words for Events."""
 
 
-def document(value: Weights | Command | Ack) -> str:
+def document(value: Weights | Command | Ack | Mismatch | PreflightResult) -> str:
     """The annotation text of a protocol document."""
     return json.dumps(value.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
 

@@ -168,8 +168,27 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("name")
     command.add_argument("-n", "--namespace", default="default")
     command.set_defaults(handler=status)
-    args = parser.parse_args(argv)
+    command = commands.add_parser(
+        "parity-check",
+        add_help=False,
+        help="measure the train-inference mismatch per vLLM configuration (needs lockstep[workers]; --help)",
+    )
+    command.set_defaults(handler=parity_check)
+    args, rest = parser.parse_known_args(argv)
+    if args.handler is parity_check:
+        sys.exit(parity_check(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     sys.exit(args.handler(args))
+
+
+def parity_check(options: list[str]) -> int:
+    try:
+        from lockstep_workers import parity_check
+    except ImportError as error:
+        print(f"lockstep parity-check runs vLLM and torch: install lockstep[workers] ({error})", file=sys.stderr)
+        return 2
+    return parity_check.main(options)
 
 
 if __name__ == "__main__":

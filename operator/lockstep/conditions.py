@@ -7,6 +7,7 @@ from lockstep.api import Condition, ConditionStatus
 
 READY = "Ready"
 PARITY_LOCKED = "ParityLocked"
+PARITY_DEGRADED = "ParityDegraded"
 # kstatus (Flux, kubectl wait, cli-utils) reads these two beside Ready.
 RECONCILING = "Reconciling"
 STALLED = "Stalled"

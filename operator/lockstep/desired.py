@@ -111,7 +111,12 @@ def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
 
 def config_map(job: JobRef, config: EffectiveConfig) -> dict[str, Any]:
     """The effective configuration, for people and for the pods (mounted at /etc/lockstep)."""
-    document = {"fingerprint": config.fingerprint, "policy": config.policy, **config.document()}
+    document = {
+        "fingerprint": config.fingerprint,
+        "policy": config.policy,
+        "mismatchBudget": config.mismatch_budget,
+        **config.document(),
+    }
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -153,6 +158,27 @@ def pods(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> list[dict[str
     actors = [actor_pod(job, spec, config, index) for index in range(spec.actors.replicas)]
     trainers = [trainer_pod(job, spec, config, rank) for rank in range(spec.trainer.replicas)]
     return actors + trainers
+
+
+def preflight_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> dict[str, Any]:
+    """The pod that checks train-inference parity under the job's effective configuration before training;
+    it writes what it measured on itself (lockstep.dev/preflight) and exits."""
+    rollout = spec.trainer.rollout
+    container = {
+        "name": keys.PREFLIGHT_ROLE,
+        "image": spec.actors.image,
+        "command": ["python", "-m", "lockstep_workers.parity_check"],
+        "args": [
+            "--preflight",
+            f"--model={spec.model.uri}",
+            f"--prompts={spec.preflight.prompts}",
+            f"--samples={spec.preflight.samples_per_prompt}",
+            f"--tokens={rollout.max_tokens}",
+            f"--temperature={rollout.temperature}",
+            f"--top-p={rollout.top_p}",
+        ],
+    }
+    return _pod(job, spec, spec.actors, config, keys.PREFLIGHT_ROLE, 0, container, hostname=None)
 
 
 def actor_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int) -> dict[str, Any]:

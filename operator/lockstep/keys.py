@@ -19,10 +19,13 @@ WEIGHTS = f"{DOMAIN}/weights"  # on trainer rank 0, by the trainer
 INITIAL_WEIGHTS = f"{DOMAIN}/initial-weights"  # on new pods, by the operator
 BARRIER = f"{DOMAIN}/barrier"  # on member pods, by the operator only
 BARRIER_ACK = f"{DOMAIN}/barrier-ack"  # on member pods, by that pod only
+# Train-inference parity, as the trainer measured it on its last step.
+MISMATCH = f"{DOMAIN}/mismatch"  # on trainer rank 0, by the trainer
+PREFLIGHT = f"{DOMAIN}/preflight"  # on the preflight pod, by that pod: the parity it measured
 
 ACTOR = "actor"
 TRAINER = "trainer"
-ROLES = (ACTOR, TRAINER)
+PREFLIGHT_ROLE = "preflight"
 
 # The operator's pod watch: only pods it created.
 POD_SELECTOR = f"{MANAGED_BY}={MANAGER}"

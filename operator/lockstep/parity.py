@@ -81,6 +81,8 @@ class EffectiveConfig:
     enforcement: Enforcement
     vllm: dict[str, Any]
     trainer: dict[str, Any]
+    mismatch_budget: dict[str, Any]
+    """Not part of the fingerprint: changing a budget changes no pod."""
     weight_update: dict[str, Any]
     model: dict[str, Any]
     conflicts: list[Conflict] = field(default_factory=list)
@@ -177,7 +179,8 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
         policy=policy.metadata.get("name", ""),
         enforcement=policy.spec.enforcement,
         vllm=dict(sorted(vllm.items())),
-        trainer=policy.spec.trainer.model_dump(mode="json", by_alias=True),
+        trainer=policy.spec.trainer.model_dump(mode="json", by_alias=True, exclude={"mismatch_budget"}),
+        mismatch_budget=policy.spec.trainer.mismatch_budget.model_dump(mode="json", by_alias=True),
         weight_update=policy.spec.weight_update.model_dump(mode="json", by_alias=True),
         model=spec.model.model_dump(mode="json", by_alias=True),
         conflicts=conflicts,

@@ -14,16 +14,20 @@ from pydantic import ValidationError
 
 from lockstep import barrier, desired, keys
 from lockstep.api import (
+    BudgetAction,
     Enforcement,
+    Mismatch,
+    MismatchBudget,
     ParityPolicy,
     Phase,
+    PreflightResult,
     ReplicaStatus,
     RLJobSpec,
     RLJobStatus,
     Weights,
     WeightSyncBackend,
 )
-from lockstep.conditions import PARITY_LOCKED, READY, RECONCILING, STALLED, find, set_condition
+from lockstep.conditions import PARITY_DEGRADED, PARITY_LOCKED, READY, RECONCILING, STALLED, find, set_condition
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
 from lockstep.times import parse_rfc3339, rfc3339
 
@@ -31,8 +35,8 @@ MAX_BACKOFF_SECONDS = 300.0
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 # Condition reasons whose transition Event is a Warning even though the condition is True, and
 # False ones that are ordinary progress rather than trouble.
-WARNING_REASONS = frozenset({"LockedValuesApplied"})
-BENIGN_REASONS = frozenset({"PodsNotReady", "Suspended"})
+WARNING_REASONS = frozenset({"LockedValuesApplied", "MismatchBudgetExceeded"})
+BENIGN_REASONS = frozenset({"PodsNotReady", "Suspended", "WithinBudget"})
 # Ready=False reasons that need a person (fix the spec or the policy, or recreate the job): Stalled, for kstatus.
 STALLED_REASONS = frozenset(
     {
@@ -151,8 +155,9 @@ class _Reconciler:
         if config is None:
             return self.finish()
         wanted = {p["metadata"]["name"]: p for p in desired.pods(self.job, spec, config)}
+        preflight = desired.preflight_pod(self.job, spec, config) if spec.preflight.enabled else None
         self.plan.children = [
-            *desired.worker_access(self.job, list(wanted)),
+            *desired.worker_access(self.job, [*wanted, *([preflight["metadata"]["name"]] if preflight else [])]),
             desired.config_map(self.job, config),
             *desired.services(self.job),
         ]
@@ -161,6 +166,8 @@ class _Reconciler:
             self.status.phase = Phase.SUSPENDED
             self.condition(READY, False, "Suspended", "spec.suspend is true: pods are deleted, the status is kept")
             self.count(spec, {})
+            return self.finish()
+        if preflight is not None and not self.run_preflight(spec, config, preflight):
             return self.finish()
         self.run_pods(spec, config, wanted)
         return self.finish()
@@ -213,6 +220,50 @@ class _Reconciler:
         self.status.config_fingerprint = config.fingerprint
         return config
 
+    def run_preflight(self, spec: RLJobSpec, config: EffectiveConfig, pod: dict[str, Any]) -> bool:
+        """Run the preflight pod and judge what it measured; True once it passed (training may start)."""
+        name = pod["metadata"]["name"]
+        found = self.pods.pop(name, None)  # not a training pod: the passes below never see it
+        if self.status.preflight is not None:
+            if found is not None:
+                self.plan.delete_pods[name] = "the preflight check finished"
+            return True
+        if found is None:
+            self.plan.create_pods = [pod]
+        phase = pod_phase(found) if found else "Pending"
+        if phase == "Failed":
+            self.finish_job(spec, Phase.FAILED, "PreflightFailed", f"the preflight pod {name} failed; see its log")
+            self.plan.delete_pods[name] = "the preflight check failed"
+            return False
+        if phase != "Succeeded":
+            self.status.phase = Phase.PENDING
+            self.condition(
+                READY, False, "Preflight", f"pod {name} is checking train-inference parity before training starts"
+            )
+            return False
+        assert found is not None
+        self.plan.delete_pods[name] = "the preflight check finished"
+        result = barrier.read_document(_annotation(found, keys.PREFLIGHT), PreflightResult)
+        if not isinstance(result, PreflightResult):
+            why = result or "wrote no result"
+            self.finish_job(spec, Phase.FAILED, "PreflightFailed", f"the preflight pod {name} {why}")
+            return False
+        self.status.preflight = result
+        budget = MismatchBudget.model_validate(config.mismatch_budget).mean_abs_logprob_diff
+        worst = max(result.mean_abs_logprob_diff, result.shared_prefix_mean_abs_logprob_diff)
+        numbers = (
+            f"mean |Δlogprob| {result.mean_abs_logprob_diff:.3g}, after an in-flight update with shared prompts "
+            f"{result.shared_prefix_mean_abs_logprob_diff:.3g}, clip fraction {result.clip_fraction:.3g} over "
+            f"{result.tokens} tokens; budget {budget:.3g} (ParityPolicy {config.policy!r})"
+        )
+        if worst > budget:
+            message = f"the preflight parity check is over budget: {numbers}"
+            self.finish_job(spec, Phase.FAILED, "MismatchBudgetExceeded", message)
+            self.condition(PARITY_LOCKED, False, "MismatchBudgetExceeded", message)
+            return False
+        self.event("PreflightPassed", f"the preflight parity check passed: {numbers}")
+        return True
+
     def run_pods(self, spec: RLJobSpec, config: EffectiveConfig, wanted: dict[str, dict[str, Any]]) -> None:
         rank0 = self.pods.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
         if rank0 is not None and pod_phase(rank0) == "Succeeded":
@@ -244,7 +295,7 @@ class _Reconciler:
         elif missing or replaced:
             self.plan.requeue_after = wait
         live = {name: pod for name, pod in self.pods.items() if name not in self.plan.delete_pods and name in wanted}
-        if self.run_barrier(spec, live):
+        if self.run_barrier(spec, live, hold=self.check_parity(config, rank0)):
             return
         self.count(spec, live)
         if self.status.actors.ready == spec.actors.replicas and self.status.trainer.ready == spec.trainer.replicas:
@@ -278,8 +329,36 @@ class _Reconciler:
             pod["metadata"]["annotations"][keys.INITIAL_WEIGHTS] = barrier.document(self.status.weights)
         return pod
 
-    def run_barrier(self, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> bool:
-        """Advance the weight-update barrier; True when it failed the job."""
+    def check_parity(self, config: EffectiveConfig, rank0: dict[str, Any] | None) -> bool:
+        """Hold the trainer's last parity measurement against the ParityPolicy's budget (ParityDegraded);
+        True when the policy says to hold weight updates meanwhile."""
+        measured = barrier.read_document(_annotation(rank0, keys.MISMATCH) if rank0 else None, Mismatch)
+        if isinstance(measured, Mismatch) and measured.token_fraction > 0:
+            self.status.mismatch = measured
+        last = self.status.mismatch
+        if last is None:
+            return False
+        budget = MismatchBudget.model_validate(config.mismatch_budget)
+        numbers = (
+            f"step {last.step}: mean |Δlogprob| {last.mean_abs_logprob_diff:.3g} between the trainer and the actors "
+            f"on {last.token_fraction:.0%} of its tokens; budget {budget.mean_abs_logprob_diff:.3g} "
+            f"(ParityPolicy {config.policy!r})"
+        )
+        if last.mean_abs_logprob_diff <= budget.mean_abs_logprob_diff:
+            self.condition(PARITY_DEGRADED, False, "WithinBudget", numbers)
+            return False
+        hold = budget.on_exceeded is BudgetAction.PAUSE
+        advice = (
+            "; weight updates are held (onExceeded: Pause) until a measurement is within the budget: fix the "
+            "configuration or raise trainer.mismatchBudget in the ParityPolicy"
+            if hold
+            else ""
+        )
+        self.condition(PARITY_DEGRADED, True, "MismatchBudgetExceeded", f"over budget at {numbers}{advice}")
+        return hold
+
+    def run_barrier(self, spec: RLJobSpec, live: dict[str, dict[str, Any]], *, hold: bool = False) -> bool:
+        """Advance the weight-update barrier (open none while ``hold``); True when it failed the job."""
         roles = (keys.ACTOR, keys.TRAINER) if spec.weight_sync.backend is WeightSyncBackend.NCCL else (keys.ACTOR,)
         members = {
             name: barrier.member_of(pod)
@@ -295,7 +374,7 @@ class _Reconciler:
             job_uid=self.job.uid,
             barrier=self.status.barrier,
             committed=self.status.weights,
-            announced=announced,
+            announced=None if hold and self.status.barrier is None else announced,
             members=list(members.values()),
             history=self.status.barrier_history,
             now=self.observed.now,

@@ -194,6 +194,67 @@ def test_the_job_succeeds_only_once_every_actor_serves_the_trainers_last_weights
     assert ready is not None and ready.message.endswith("every actor serves weights version 7")
 
 
+def test_a_mismatch_over_budget_degrades_parity_and_pause_holds_weight_updates() -> None:
+    strict = policy(trainer={"mismatchBudget": {"meanAbsLogprobDiff": 0.01, "onExceeded": "Pause"}})
+    body, pods = settle(job())
+    announce(pods[2], 4)
+    measured = {"protocol": 1, "step": 4, "meanAbsLogprobDiff": 0.05, "tokenFraction": 0.75}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(measured)
+
+    held = plan_for(body, pods, policies=[strict])
+    assert condition(held, "ParityDegraded") == ("True", "MismatchBudgetExceeded")
+    message = find(held.status.conditions, "ParityDegraded").message  # type: ignore[union-attr]
+    assert "0.05" in message and "budget 0.01" in message and "weight updates are held" in message
+    assert held.status.barrier is None and not held.annotate_pods, "no weight update while held"
+    assert any(e.reason == "MismatchBudgetExceeded" and e.type == "Warning" for e in held.events)
+
+    warned = plan_for(body, pods, policies=[policy(trainer={"mismatchBudget": {"meanAbsLogprobDiff": 0.01}})])
+    assert condition(warned, "ParityDegraded") == ("True", "MismatchBudgetExceeded")
+    assert warned.status.barrier is not None, "Warn (the default) only tells"
+
+    raised = policy(trainer={"mismatchBudget": {"meanAbsLogprobDiff": 0.1, "onExceeded": "Pause"}})
+    resumed = plan_for({**body, "status": status_of(held)}, pods, policies=[raised])
+    assert condition(resumed, "ParityDegraded") == ("False", "WithinBudget")
+    assert resumed.status.barrier is not None and resumed.status.barrier.version == 4
+
+
+def test_preflight_runs_before_training_and_its_result_decides() -> None:
+    body = job(preflight={"enabled": True})
+    first = plan_for(body)
+    assert [p["metadata"]["name"] for p in first.create_pods] == ["demo-preflight-0"], "only the preflight pod"
+    assert first.status.phase is Phase.PENDING and condition(first, READY) == ("False", "Preflight")
+    role = next(c for c in first.children if c["kind"] == "Role")
+    assert "demo-preflight-0" in role["rules"][0]["resourceNames"], "it may write its result on itself"
+    body = {**body, "status": status_of(first)}
+
+    def finished(measured: float, phase: str = "Succeeded") -> Plan:
+        pod = running(first.create_pods[0], phase=phase, ready=False)
+        result = {
+            "protocol": 1,
+            "meanAbsLogprobDiff": measured,
+            "sharedPrefixMeanAbsLogprobDiff": measured / 2,
+            "clipFraction": 0.0,
+            "outsideTopPPerThousand": 0.0,
+            "tokens": 1024,
+        }
+        pod["metadata"]["annotations"][keys.PREFLIGHT] = json.dumps(result)
+        return plan_for(body, [pod])
+
+    passed = finished(1e-3)
+    assert passed.status.preflight is not None and passed.status.preflight.tokens == 1024
+    assert len(passed.create_pods) == 3 and passed.delete_pods == {"demo-preflight-0": "the preflight check finished"}
+    assert any(e.reason == "PreflightPassed" for e in passed.events)
+
+    over = finished(0.5)
+    assert over.status.phase is Phase.FAILED and not over.create_pods
+    assert condition(over, "ParityLocked") == ("False", "MismatchBudgetExceeded")
+    message = find(over.status.conditions, "ParityLocked").message  # type: ignore[union-attr]
+    assert "mean |Δlogprob| 0.5" in message and "budget 0.02" in message
+
+    crashed = finished(0.0, phase="Failed")
+    assert crashed.status.phase is Phase.FAILED and condition(crashed, READY) == ("False", "PreflightFailed")
+
+
 def test_condition_transition_time_is_kept_while_status_is_unchanged() -> None:
     body, pods = settle(job())
     later = plan_for(body, pods, now=NOW + dt.timedelta(hours=1))

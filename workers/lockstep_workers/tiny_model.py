@@ -23,10 +23,11 @@ def create_tiny_llama(
     layers: int = 2,
     dtype: str = "float32",
     seed: int = 0,
+    head_scale: float = 1.0,
 ) -> Path:
     """Write a random Llama (config, safetensors weights, tokenizer) to ``directory`` and return it.
 
-    head_dim is 64: the CPU attention kernel rejects smaller heads.
+    head_dim is 64: the CPU attention kernel rejects smaller heads. ``head_scale`` multiplies the lm_head.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -50,7 +51,10 @@ def create_tiny_llama(
         tie_word_embeddings=False,
         dtype=dtype,
     )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)  # > 1: peakier logits, like a trained model's
+    model = model.to(getattr(torch, dtype))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
 

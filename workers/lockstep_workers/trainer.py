@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from prometheus_client import Gauge, start_http_server
 
 from lockstep import keys
-from lockstep.api import DType, Objective, TrainerParity, Training, Weights
+from lockstep.api import DType, Mismatch, MismatchBudget, Objective, TrainerParity, Training, Weights
 from lockstep.barrier import document
 from lockstep_workers.objective import Batch, policy_loss
 from lockstep_workers.weights import publish
@@ -94,13 +94,27 @@ async def collect_rollouts(
         return list(await asyncio.gather(*(one(n, i, p) for n, (i, p) in enumerate(requests))))
 
 
+def top_p_masked(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with the tokens outside the nucleus set to -inf, as vLLM's sampler does it: sorted by
+    probability, a token goes when the tokens less likely than it, and it, hold at most 1 - top_p."""
+    ordered, order = logits.sort(dim=-1)
+    outside = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    outside[..., -1] = False
+    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+
+
 def token_logprobs(
-    model: Any, rollouts: Sequence[Rollout], temperature: float, *, fp32_head: bool = True
+    model: Any,
+    rollouts: Sequence[Rollout],
+    temperature: float,
+    *,
+    top_p: float = 1.0,
+    fp32_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs of each completion token under ``model`` (a Hugging Face causal LM; the sampler's
-    temperature applied), their entropies and the completion mask, all [sequences, longest completion].
-    The final projection runs in fp32 when ``fp32_head`` (the ParityPolicy's trainer.lmHeadDtype), as
-    the rollout engine's does."""
+    """Logprobs of each completion token under ``model`` (a Hugging Face causal LM) after the sampler's
+    transform (temperature, then top-p), their entropies and the completion mask, all [sequences,
+    longest completion]. A token outside the trainer's top-p set gets -inf. The final projection runs
+    in fp32 when ``fp32_head`` (the ParityPolicy's trainer.lmHeadDtype), as the rollout engine's does."""
     longest = max(len(r.prompt) + len(r.completion) for r in rollouts)
     widest = max(len(r.completion) for r in rollouts)
     ids = torch.zeros(len(rollouts), longest, dtype=torch.long)
@@ -113,6 +127,8 @@ def token_logprobs(
     head = model.lm_head.weight
     logits = F.linear(hidden.float(), head.float()) if fp32_head else model.lm_head(hidden).float()
     logits = logits / temperature
+    if top_p < 1:
+        logits = top_p_masked(logits, top_p)
     logprobs = torch.zeros(len(rollouts), widest)
     entropy = torch.zeros(len(rollouts), widest)
     mask = torch.zeros(len(rollouts), widest)
@@ -120,7 +136,7 @@ def token_logprobs(
         start, count = len(r.prompt) - 1, len(r.completion)
         scores = torch.log_softmax(logits[row, start : start + count], dim=-1)
         logprobs[row, :count] = scores.gather(1, torch.tensor(r.completion)[:, None])[:, 0]
-        entropy[row, :count] = -(scores.exp() * scores).sum(dim=-1)
+        entropy[row, :count] = -(scores.exp() * scores.nan_to_num(neginf=0.0)).sum(dim=-1)
         mask[row, :count] = 1
     return logprobs, entropy, mask
 
@@ -143,6 +159,7 @@ def learn(
     objective: Objective,
     temperature: float,
     *,
+    top_p: float = 1.0,
     fp32_head: bool = True,
     version: int | None = None,
     synchronize: Callable[[torch.nn.Module], None] | None = None,
@@ -157,7 +174,10 @@ def learn(
     step (the ranks' gradient all-reduce).
     """
     with torch.no_grad():
-        old, _, mask = token_logprobs(model, rollouts, temperature, fp32_head=fp32_head)
+        old, _, completion = token_logprobs(model, rollouts, temperature, top_p=top_p, fp32_head=fp32_head)
+    # A token vLLM sampled that falls outside the trainer's top-p set has no finite ratio: it is left out.
+    mask = completion * old.isfinite()
+    old = old.nan_to_num(neginf=0.0)
     rollout = torch.zeros_like(old)
     for row, r in enumerate(rollouts):
         rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
@@ -167,9 +187,13 @@ def learn(
     steps = []
     for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
         rows = torch.isin(groups, chunk).nonzero()[:, 0]
-        new, entropy, part_mask = token_logprobs(model, [rollouts[i] for i in rows], temperature, fp32_head=fp32_head)
+        new, entropy, _ = token_logprobs(
+            model, [rollouts[i] for i in rows], temperature, top_p=top_p, fp32_head=fp32_head
+        )
         width = new.shape[1]
-        batch = Batch(new, old[rows, :width], rollout[rows, :width], advantages[rows], part_mask, entropy.detach())
+        part = mask[rows, :width]
+        new = torch.where(part.bool(), new, 0.0)
+        batch = Batch(new, old[rows, :width], rollout[rows, :width], advantages[rows], part, entropy.detach())
         loss, metrics = policy_loss(batch, objective)
         optimizer.zero_grad()
         loss.backward()
@@ -178,6 +202,7 @@ def learn(
         optimizer.step()
         steps.append(metrics)
     averaged = {name: sum(m[name] for m in steps) / len(steps) for name in steps[0]}
+    averaged["outside_top_p_fraction"] = ((completion - mask).sum() / completion.sum().clamp(min=1)).item()
     if version is not None:
         averaged.update(_staleness(rollouts, old, rollout, mask, version))
     return {"reward": reward.mean().item(), **averaged}
@@ -216,6 +241,7 @@ STEP_METRICS = (
     "onpolicy_token_fraction",
     "spanning_sequence_fraction",
     "lag",
+    "outside_top_p_fraction",
     "tis_weight_mean",
     "loss",
 )
@@ -317,11 +343,13 @@ def _across_ranks(metrics: dict[str, float]) -> dict[str, float]:
     return combined
 
 
-def announce(weights: Weights, namespace: str, pod: str) -> None:
-    """Write ``lockstep.dev/weights`` on this trainer pod (the only place the operator reads it from)."""
+def announce(weights: Weights, mismatch: Mismatch, namespace: str, pod: str) -> None:
+    """Write ``lockstep.dev/weights`` and the step's ``lockstep.dev/mismatch`` on this trainer pod (the only
+    place the operator reads them from)."""
     from lockstep_workers.agent import pod_api
 
-    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {keys.WEIGHTS: document(weights)}}})
+    annotations = {keys.WEIGHTS: document(weights), keys.MISMATCH: document(mismatch)}
+    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
 
 
 def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
@@ -347,7 +375,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
     reward: RewardFunction = load_callable(settings.reward)
     prompts: PromptSource = load_callable(settings.prompts)
     rollout = settings.rollout
-    sampling = {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens}
+    sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
     metrics_file = env.shared_dir / "metrics.jsonl"
     if leader:
         if not env.actors:
@@ -380,6 +408,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
             [rewards[n] for n in mine],
             settings.objective,
             rollout.temperature,
+            top_p=rollout.top_p,
             fp32_head=fp32_head,
             version=step - 1,
             synchronize=_average_gradients if distributed else None,
@@ -391,7 +420,12 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
         metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
         weights = publish(model.state_dict(), env.shared_dir / "weights", version=step)
         if env.pod and env.namespace:
-            announce(weights, env.namespace, env.pod)
+            mismatch = Mismatch(
+                step=step,
+                mean_abs_logprob_diff=metrics["onpolicy_mean_abs_logprob_diff"],
+                token_fraction=metrics["onpolicy_token_fraction"],
+            )
+            announce(weights, mismatch, env.namespace, env.pod)
         record = {"step": step, "version": step, "seconds": round(time.monotonic() - started, 3), **metrics}
         with metrics_file.open("a") as stream:
             stream.write(json.dumps(record) + "\n")
@@ -399,7 +433,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
             gauge.set(metrics[name])
         STEP.set(step)
         PUBLISHED.set(step)
-        budget = parity.mismatch_budget.mean_abs_logprob_diff
+        budget = MismatchBudget.model_validate(env.config.get("mismatchBudget", {})).mean_abs_logprob_diff
         if metrics["onpolicy_mean_abs_logprob_diff"] > budget:
             logger.warning(
                 "step %d: mean |logprob difference| %.2e on on-policy tokens exceeds the ParityPolicy budget %.2e",

@@ -87,3 +87,14 @@ def test_the_trainer_refuses_to_run_without_a_shared_volume(tmp_path: Path) -> N
     env = PodEnvironment(0, 1, ["http://actors:8000"], None, {}, None, None, 0)
     with pytest.raises(SystemExit, match=r"spec\.weightSync\.volume"):
         train(str(tmp_path), Training(reward="lockstep_workers.rewards:target_words"), env)
+
+
+def test_the_trainers_top_p_mask_is_vllms() -> None:
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from lockstep_workers.trainer import top_p_masked
+
+    logits = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 4
+    for top_p in (0.5, 0.9, 0.99):
+        expected = apply_top_k_top_p_pytorch(logits.clone(), None, torch.full((64,), top_p))
+        assert torch.equal(top_p_masked(logits, top_p).isinf(), expected.isinf()), f"top_p={top_p}"
