@@ -93,6 +93,13 @@ def pod_api() -> client.CoreV1Api:
     return client.CoreV1Api()
 
 
+def initial_weights(api: client.CoreV1Api, namespace: str, pod: str) -> Weights | None:
+    """The weights the job had committed when the operator created this pod (None before the first update)."""
+    metadata = api.read_namespaced_pod(pod, namespace).metadata
+    text = ((metadata and metadata.annotations) or {}).get(keys.INITIAL_WEIGHTS)
+    return Weights.model_validate(json.loads(text)) if text else None
+
+
 def command_from(annotations: dict[str, Any]) -> Command | None:
     """The command on a pod, or None when there is none or it cannot be read (logged)."""
     command = read_document(annotations.get(keys.BARRIER), Command)
@@ -113,9 +120,7 @@ class PodAgent:
 
     def start(self) -> None:
         """Load the pod's initial weights (set by the operator) before the pod reports ready."""
-        metadata = self.api.read_namespaced_pod(self.pod, self.namespace).metadata
-        text = ((metadata and metadata.annotations) or {}).get(keys.INITIAL_WEIGHTS)
-        self.core.start(Weights.model_validate(json.loads(text)) if text else None)
+        self.core.start(initial_weights(self.api, self.namespace, self.pod))
 
     def run(self, stop: threading.Event, watch_seconds: int = 30) -> None:
         """Act on every command written on this pod until ``stop`` is set."""

@@ -36,7 +36,7 @@ from lockstep import keys
 from lockstep.api import DType, Mismatch, MismatchBudget, Objective, TrainerParity, Training, Weights
 from lockstep.barrier import document
 from lockstep_workers.objective import Batch, policy_loss
-from lockstep_workers.weights import publish
+from lockstep_workers.weights import publish, tensors, verified_path
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -352,6 +352,36 @@ def announce(weights: Weights, mismatch: Mismatch, namespace: str, pod: str) -> 
     pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
 
 
+def resume(model: torch.nn.Module, committed: Weights | None) -> int:
+    """Load ``committed`` (the weights the job had committed when this pod was created) into ``model``: a
+    restarted trainer goes on from them rather than from the base model, with a fresh optimiser state.
+    The first step to run."""
+    if committed is None:
+        return 1
+    unexpected = model.load_state_dict(dict(tensors(verified_path(committed))), strict=False).unexpected_keys
+    if unexpected:
+        raise ValueError(f"the committed weights {committed.uri} do not fit this model: {unexpected[:5]}")
+    logger.info("resuming from the committed weights, version %d", committed.version)
+    return committed.version + 1
+
+
+def _committed(env: PodEnvironment) -> Weights | None:
+    if not (env.pod and env.namespace):
+        return None
+    from lockstep_workers.agent import initial_weights, pod_api
+
+    return initial_weights(pod_api(), env.namespace, env.pod)
+
+
+def _from_rank0(model: torch.nn.Module, first_step: int) -> int:
+    """Every rank starts from rank 0's weights and step."""
+    for parameter in model.parameters():
+        dist.broadcast(parameter.data, src=0)
+    step = [first_step]
+    dist.broadcast_object_list(step, src=0)
+    return int(step[0])
+
+
 def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
     """The whole job, as one rank: ``settings.steps`` steps; rank 0 publishes and announces each version."""
     from transformers import AutoModelForCausalLM
@@ -369,6 +399,9 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
         )
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    first_step = resume(model, _committed(env)) if leader else 1
+    if distributed:
+        first_step = _from_rank0(model, first_step)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.objective.learning_rate)
     parity = TrainerParity.model_validate(env.config.get("trainer", {}))
     fp32_head = parity.lm_head_dtype is DType.FLOAT32
@@ -383,7 +416,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
         if env.metrics_port:
             start_http_server(env.metrics_port)
         wait_for_actors(env.actors)
-    for step in range(1, settings.steps + 1):
+    for step in range(first_step, settings.steps + 1):
         started = time.monotonic()
         batch: list[Any] = [None]
         if leader:

@@ -36,12 +36,24 @@ def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, 
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"v{version:06d}.safetensors"
     partial = directory / f".v{version:06d}.safetensors.partial"
-    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(partial))
+    save_file(_untied(tensors), str(partial))
     digest = digest_of(partial)
     os.replace(partial, final)
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
         old.unlink(missing_ok=True)
     return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
+
+
+def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each storage once, under the first name that uses it (tied embeddings are written as Hugging Face
+    checkpoints write them: the lm_head falls away)."""
+    seen: set[int] = set()
+    result = {}
+    for name, tensor in tensors.items():
+        if tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            result[name] = tensor.detach().contiguous().cpu()
+    return result
 
 
 def local_path(weights: Weights) -> Path:

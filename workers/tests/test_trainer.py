@@ -98,3 +98,32 @@ def test_the_trainers_top_p_mask_is_vllms() -> None:
     for top_p in (0.5, 0.9, 0.99):
         expected = apply_top_k_top_p_pytorch(logits.clone(), None, torch.full((64,), top_p))
         assert torch.equal(top_p_masked(logits, top_p).isinf(), expected.isinf()), f"top_p={top_p}"
+
+
+def test_a_restarted_trainer_resumes_from_the_committed_weights(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers.trainer import resume
+    from lockstep_workers.weights import publish
+
+    directory = create_tiny_llama(tmp_path / "model")
+    trained = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.1)
+    committed = publish(trained.state_dict(), tmp_path / "weights", version=7)
+    fresh = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert resume(fresh, None) == 1
+    assert resume(fresh, committed) == 8
+    expected = trained.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in fresh.state_dict().items())
+
+
+def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from lockstep_workers.weights import local_path, publish
+
+    embedding = torch.randn(8, 4)
+    weights = publish({"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}, tmp_path, version=1)
+    assert set(load_file(str(local_path(weights)))) == {"model.embed_tokens.weight"}
