@@ -13,6 +13,7 @@ deleted, as a kubelet does.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -27,6 +29,9 @@ from lockstep import keys
 from lockstep.desired import pod_name
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import read_pod, service_account_token
+from lockstep_e2e.jobs import get_job
+
+logger = logging.getLogger(__name__)
 
 
 def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], workdir: Path) -> dict[str, Path]:
@@ -131,82 +136,104 @@ def run_to_completion(
 
 
 class JobPods:
-    """The pods of one RLJob, run locally until stopped; see the module docstring."""
+    """The actor and trainer pods of one RLJob, run locally as a kubelet would; see the module docstring.
+
+    Every half second: a pod that has no process yet (new, or recreated by the operator under the same
+    name) gets one; a process that exited sets its pod's phase; the process of a deleted pod is stopped.
+    Each actor keeps its local port across restarts, so the trainer's actor URLs stay valid; trainer
+    ranks created together (the same restart count) share a fresh rendezvous port.
+    """
 
     def __init__(
-        self, cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, actors: int, trainers: int
+        self, cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, actors: int, logs: Path
     ) -> None:
-        self.cluster, self.api, self.namespace = cluster, api, namespace
-        self.actors = [pod_name(job, keys.ACTOR, i) for i in range(actors)]
-        self.trainers = [pod_name(job, keys.TRAINER, r) for r in range(trainers)]
-        self.urls: dict[str, str] = {}
+        self.cluster, self.api, self.namespace, self.job, self.logs = cluster, api, namespace, job, logs
+        self.urls = {pod_name(job, keys.ACTOR, i): f"http://127.0.0.1:{free_port()}" for i in range(actors)}
         """actor pod -> its local URL"""
-        self.metrics: dict[str, str] = {}
+        trainer = pod_name(job, keys.TRAINER, 0)
+        self.metrics = {**self.urls, trainer: f"http://127.0.0.1:{free_port()}"}
         """pod -> the local URL of its Prometheus /metrics (every actor; trainer rank 0)"""
-        self.processes: dict[str, Component] = {}
-        self.exits: dict[str, int] = {}
+        self.running: dict[str, tuple[str, Component]] = {}
+        """pod name -> (pod UID, its process)"""
+        self.exited: set[str] = set()
+        self.retired: list[Component] = []
+        self.rendezvous: dict[int, int] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pod-runner", daemon=True)
 
-    def start(self, logs: Path) -> JobPods:
-        logs.mkdir(parents=True, exist_ok=True)
-        for name in self.actors:
-            port = free_port()
-            self.urls[name] = self.metrics[name] = f"http://127.0.0.1:{port}"
-            self._run(name, logs, args={"--port": str(port)})
-        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        for rank, name in enumerate(self.trainers):
-            metrics = free_port() if rank == 0 else 0
-            if metrics:
-                self.metrics[name] = f"http://127.0.0.1:{metrics}"
-            env = {
-                **rendezvous,
-                "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values()),
-                "LOCKSTEP_METRICS_PORT": str(metrics),
-            }
-            self._run(name, logs, env=env)
+    def start(self) -> JobPods:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.sync()
         self._watcher.start()
         return self
 
-    def _run(self, name: str, logs: Path, **overrides: Any) -> None:
-        log = logs / f"{name}.log"
-        self.processes[name] = run_pod(self.cluster, self.api, self.namespace, name, log, **overrides)
+    def sync(self) -> None:
+        core = client.CoreV1Api(self.api)
+        listed = core.list_namespaced_pod(self.namespace, label_selector=f"{keys.JOB}={self.job}").items
+        pods = {
+            str(p.metadata.name): p for p in listed if (p.metadata.labels or {}).get(keys.ROLE) != keys.PREFLIGHT_ROLE
+        }
+        for name, (uid, component) in list(self.running.items()):
+            pod = pods.get(name)
+            gone = pod is None or pod.metadata.uid != uid or pod.metadata.deletion_timestamp is not None
+            code = component.process.poll() if component.process else None
+            if code is not None and uid not in self.exited:
+                self.exited.add(uid)
+                if not gone:
+                    report_exit(self.api, self.namespace, name, code)
+            if gone:
+                component.stop(grace_seconds=60)
+                self.retired.append(self.running.pop(name)[1])
+        for name, pod in pods.items():
+            uid = str(pod.metadata.uid)
+            fresh = name not in self.running and uid not in self.exited
+            phase = str(pod.status.phase)
+            if fresh and pod.metadata.deletion_timestamp is None and phase in ("Pending", "Running"):
+                self._run(name, uid)
+
+    def _run(self, name: str, uid: str) -> None:
+        overrides: dict[str, Any]
+        if name in self.urls:
+            overrides = {"args": {"--port": self.urls[name].rsplit(":", 1)[1]}}
+        else:
+            job = get_job(self.api, self.namespace, self.job)
+            port = self.rendezvous.setdefault(job.get("status", {}).get("restarts", 0), free_port())
+            metrics = self.metrics.get(name, ":0").rsplit(":", 1)[1]
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCKSTEP_METRICS_PORT": metrics}
+            overrides = {"env": {**env, "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values())}}
+        log = self.logs / f"{name}.log"
+        self.running[name] = (uid, run_pod(self.cluster, self.api, self.namespace, name, log, **overrides))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the pod's process, as a node losing it would."""
+        component = self.running[name][1]
+        assert component.process is not None
+        component.process.kill()
 
     def _watch(self) -> None:
-        """Report exits as pod phases; stop the process of a deleted pod."""
-        core = client.CoreV1Api(self.api)
         while not self._stop.wait(0.5):
-            for name, component in list(self.processes.items()):
-                code = component.process.poll() if component.process else None
-                if code is not None and name not in self.exits:
-                    self.exits[name] = code
-                    report_exit(self.api, self.namespace, name, code)
-                elif code is None and self._deleted(core, name):
-                    component.stop(grace_seconds=60)
-
-    def _deleted(self, core: client.CoreV1Api, name: str) -> bool:
-        try:
-            return core.read_namespaced_pod(name, self.namespace).metadata.deletion_timestamp is not None
-        except ApiException as error:
-            if error.status == 404:
-                return True
-            raise
+            try:
+                self.sync()
+            except (ApiException, urllib3.exceptions.HTTPError) as error:
+                logger.warning("pod runner: %s; trying again", error)
 
     def stop(self) -> None:
         self._stop.set()
         if self._watcher.is_alive():
             self._watcher.join()
-        for component in self.processes.values():
+        for _, component in self.running.values():
+            component.stop(grace_seconds=60)
+        for component in self.retired:
             component.stop(grace_seconds=60)
 
 
 @contextmanager
 def running_pods(
-    cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, actors: int, trainers: int, logs: Path
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, actors: int, logs: Path
 ) -> Iterator[JobPods]:
-    """Run the job's pods (which must exist) until the block ends."""
-    pods = JobPods(cluster, api, namespace, job, actors, trainers)
+    """Run the job's pods (the actor and trainer pods must exist) until the block ends."""
+    pods = JobPods(cluster, api, namespace, job, actors, logs)
     try:
-        yield pods.start(logs)
+        yield pods.start()
     finally:
         pods.stop()

@@ -22,7 +22,7 @@ from kubernetes import client
 from lockstep import keys
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
-from lockstep_e2e.podrunner import run_to_completion, running_pods
+from lockstep_e2e.podrunner import JobPods, run_to_completion, running_pods
 from lockstep_e2e.scrape import scrape
 from lockstep_workers.tiny_model import create_tiny_llama
 
@@ -81,11 +81,11 @@ def run_tiny_rl_job(
     trainers: int = 2,
     timeout: float = 900.0,
     progress: Callable[[str], None] = print,
-    watch: Callable[[dict[str, Any]], None] | None = None,
+    watch: Callable[[dict[str, Any], JobPods], None] | None = None,
     **spec: Any,
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec
-    fields), run its pods until it finishes (or ``timeout``; ``watch`` sees the job every second), and
+    fields), run its pods until it finishes (or ``timeout``; ``watch`` sees the job and its pods every second), and
     collect what it recorded. With
     ``preflight: {enabled: true}`` the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
@@ -120,7 +120,7 @@ def run_tiny_rl_job(
         time.sleep(0.2)
     progress(f"the operator created {actors} actor and {trainers} trainer pod(s); starting their containers")
     scraped: dict[str, str] = {}
-    with running_pods(cluster, kube, namespace, name, actors, trainers, logs) as pods:
+    with running_pods(cluster, kube, namespace, name, actors, logs) as pods:
         reported = 0
         while phase(job := get_job(kube, namespace, name)) not in ("Succeeded", "Failed"):
             for pod, url in pods.metrics.items():
@@ -136,7 +136,7 @@ def run_tiny_rl_job(
                 )
             reported = len(records)
             if watch is not None:
-                watch(job)
+                watch(job, pods)
             time.sleep(1)
         progress(f"RLJob {name} {phase(job)}; stopping its pods' local processes (vLLM shuts down)")
     updates = {

@@ -3,9 +3,11 @@ ranks, weights updated in flight through barriers; the preflight parity check an
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -14,6 +16,7 @@ from lockstep.api import MismatchBudget
 from lockstep.parity import default_policy
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods
+from lockstep_e2e.podrunner import JobPods
 from lockstep_e2e.rl import run_tiny_rl_job
 from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
 
@@ -126,7 +129,7 @@ def test_a_live_mismatch_over_budget_holds_weight_updates_until_the_budget_is_ra
     tight = budget_policy(1e-12, "Pause")
     held: dict[str, object] = {}
 
-    def watch(job: dict[str, object]) -> None:
+    def watch(job: dict[str, Any], _: JobPods) -> None:
         """Once the job is held, check it stays held, then raise the budget."""
         degraded = condition(job, "ParityDegraded")
         if degraded.get("reason") != "MismatchBudgetExceeded" or held:
@@ -145,3 +148,27 @@ def test_a_live_mismatch_over_budget_holds_weight_updates_until_the_budget_is_ra
     assert held["version"] is None, "no weight update while the mismatch was over budget"
     assert result.job["status"]["phase"] == "Succeeded" and result.job["status"]["weightsVersion"] == 4
     assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"
+
+
+def test_a_lost_trainer_rank_restarts_the_group_from_the_committed_weights(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    killed: dict[str, int] = {}
+
+    def watch(job: dict[str, Any], pods: JobPods) -> None:
+        committed = job["status"].get("weightsVersion") or 0
+        if committed >= 3 and not killed:
+            killed["at"] = committed
+            pods.kill("tiny-trainer-1")  # rank 0 is left waiting in a collective; both ranks must restart
+
+    result = run_tiny_rl_job(cluster, kube, namespace, tmp_path, steps=10, actors=1, trainers=2, watch=watch)
+    status = result.job["status"]
+    assert status["phase"] == "Succeeded" and status["weightsVersion"] == 10, status
+    assert status["restarts"] == 1
+    log = (tmp_path / "pods" / "tiny-trainer-0.log").read_text()
+    resumed = [int(v) for v in re.findall(r"resuming from the committed weights, version (\d+)", log)]
+    assert len(resumed) == 1 and resumed[0] >= killed["at"], f"rank 0 resumed from {resumed}, killed at {killed}"
+    steps = [r["step"] for r in result.steps]
+    assert steps[resumed[0] - 10 :] == list(range(resumed[0] + 1, 11)), f"the restarted ranks ran on: {steps}"
+    rewards = [r["reward"] for r in result.steps]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, "training went on from where it was, not from scratch"

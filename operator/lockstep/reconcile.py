@@ -413,6 +413,10 @@ class _Reconciler:
         for name in failed:
             self.plan.delete_pods[name] = "it failed"
         lost = failed + vanished
+        if spec.trainer.replicas > 1 and any(_role(wanted.get(n) or self.pods[n]) == keys.TRAINER for n in lost):
+            for name, pod in self.pods.items():
+                if _role(pod) == keys.TRAINER and name not in self.plan.delete_pods:
+                    self.plan.delete_pods[name] = "its torch.distributed group lost a rank: the ranks restart together"
         ready = find(self.old.conditions, READY)
         if not lost or (ready is not None and ready.reason == "Restarting"):
             return False

@@ -159,6 +159,15 @@ def test_failed_pod_is_restarted_after_backoff_then_the_job_fails_past_max_resta
     assert set(gone.delete_pods) == {p["metadata"]["name"] for p in back[1:]}
 
 
+def test_a_lost_trainer_rank_restarts_every_rank_and_no_actor() -> None:
+    body, pods = settle(job(trainer={"image": "t", "reward": REWARD, "replicas": 2}))
+    pods[3] = running(pods[3], phase="Failed", ready=False)  # demo-trainer-1
+    plan = plan_for(body, pods)
+    assert set(plan.delete_pods) == {"demo-trainer-0", "demo-trainer-1"}
+    assert "the ranks restart together" in plan.delete_pods["demo-trainer-0"]
+    assert plan.status.restarts == 1
+
+
 def test_suspend_deletes_pods_and_keeps_status_and_resume_recreates() -> None:
     body, pods = settle(job())
     suspended = plan_for({**body, "spec": {**body["spec"], "suspend": True}}, pods)
