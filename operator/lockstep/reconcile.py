@@ -48,6 +48,8 @@ STALLED_REASONS = frozenset(
         "PolicyNotApplicable",
         "RestartLimitExceeded",
         "WeightUpdateFailed",
+        "MismatchBudgetExceeded",
+        "PreflightFailed",
     }
 )
 
@@ -267,7 +269,7 @@ class _Reconciler:
     def run_pods(self, spec: RLJobSpec, config: EffectiveConfig, wanted: dict[str, dict[str, Any]]) -> None:
         rank0 = self.pods.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
         if rank0 is not None and pod_phase(rank0) == "Succeeded":
-            self.finish_training(spec, rank0)
+            self.finish_training(spec, config, rank0)
             return
         if self.handle_losses(spec, wanted):
             return
@@ -308,9 +310,10 @@ class _Reconciler:
             if ready is None or ready.reason != "Restarting" or wait <= 0:
                 self.condition(READY, False, "PodsNotReady", self.readiness_message())
 
-    def finish_training(self, spec: RLJobSpec, rank0: dict[str, Any]) -> None:
-        """Rank 0 has completed: carry its last announced weights to every actor, then succeed."""
-        if self.run_barrier(spec, self.pods):
+    def finish_training(self, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, Any]) -> None:
+        """Rank 0 has completed: carry its last announced weights to every actor (unless the ParityPolicy
+        holds weight updates), then succeed."""
+        if self.run_barrier(spec, self.pods, hold=self.check_parity(config, rank0)):
             return
         announced = barrier.announced_by(rank0)
         final = announced.version if isinstance(announced, Weights) else None
