@@ -241,8 +241,8 @@ def _pod(
     mounts = [{"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}}]
     if spec.weight_sync.volume is not None:
-        # The trainer writes weights here; actors only read them.
-        mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role == keys.ACTOR})
+        # The trainer writes weights here; the other pods only read them.
+        mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role != keys.TRAINER})
         volumes.append({"name": "lockstep-shared", **spec.weight_sync.volume})
         env.append({"name": "LOCKSTEP_SHARED_DIR", "value": f"{SHARED_MOUNT}/{job.uid}"})
     container = {
