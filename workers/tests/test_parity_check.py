@@ -21,7 +21,8 @@ def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(t
         text=True,
         timeout=900,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+    causes = [line for line in run.stderr.splitlines() if "Error" in line or "error" in line]
+    assert run.returncode == 0, "\n".join(causes[-15:]) or run.stderr[-3000:]
     assert "train-inference mismatch" in run.stdout and (tmp_path / "parity.png").stat().st_size > 0
     results = {c["name"]: c for c in json.loads((tmp_path / "parity.json").read_text())["configurations"]}
     batch = {name: c["batch"] for name, c in results.items()}
