@@ -363,6 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only", action="append", metavar="TEXT", help="run only the configurations whose name contains TEXT"
     )
     parser.add_argument("--head-scale", type=float, default=PEAKY_HEAD_SCALE, help="the tiny model's lm_head factor")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.15,
+        help="vLLM's memory fraction for each engine (on the CPU build: of the machine's memory)",
+    )
     defaults = Workload()
     for name, value in defaults.__dict__.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -391,7 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "a tiny random Llama (%s, lm_head x%g for peaky logits) in %s", options.dtype, options.head_scale, model
         )
     engine = VllmSettings(
-        dtype=DType(options.dtype), enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.05
+        dtype=DType(options.dtype),
+        enforce_eager=True,
+        max_model_len=512,
+        gpu_memory_utilization=options.gpu_memory_utilization,
     )
     chosen = [c for c in configurations(policy, engine) if not options.only or any(t in c.name for t in options.only)]
     results = measure(chosen, model, options.out, workload)
