@@ -43,7 +43,8 @@ def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(t
 
     same_dtype = [name for name in results if not name.endswith("fp32 model")]
     closest = min(batch[name]["meanAbsDiff"] for name in same_dtype)
-    assert batch[locked]["meanAbsDiff"] <= closest, "the locked configuration is the closest to the trainer"
+    # "+ fp32 lm_head" has the same settings as the default policy: a tie, up to run-to-run noise.
+    assert batch[locked]["meanAbsDiff"] <= closest * 1.001, "the locked configuration is the closest to the trainer"
     fp32 = batch[f"{locked}, fp32 model"]
     assert fp32["meanAbsDiff"] < min(1e-4, batch[locked]["meanAbsDiff"] / 100), "what is left in bf16 is numerics"
     assert all("outsideTopP" in c["topP"] for c in results.values()), "tokens outside top-p are counted apart"
