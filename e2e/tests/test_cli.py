@@ -27,6 +27,9 @@ BAD_SPECS = {
     "unknown algorithm": {"trainer": {"image": "t", "objective": {"algorithm": "dpo"}}},
     "unknown field": {"actors": {"image": "a", "vlm": {}}},
     "locked key": {"actors": {"image": "a", "vllm": {"logprobsMode": "raw_logprobs", "asyncScheduling": True}}},
+    "no weights volume": {"weightSync": {"backend": "filesystem"}},
+    "reward not importable": {"trainer": {"image": "t", "reward": "rewards.py"}},
+    "too few prompts": {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
 }
 
 

@@ -1,7 +1,7 @@
 """The ``lockstep`` command line.
 
-- ``lockstep validate FILE [--policy FILE]``: check an RLJob offline against the schema and a
-  ParityPolicy, with the messages the API server and the operator would give.
+- ``lockstep validate FILE [--policy FILE]``: check an RLJob offline against the schema, the CRD's CEL
+  rules and a ParityPolicy, with the messages the API server and the operator would give.
 - ``lockstep render FILE [--policy FILE]``: the effective vLLM arguments and config fingerprint.
 - ``lockstep status NAME [-n NAMESPACE]``: a job's phase, parity state and barrier history (uses
   $KUBECONFIG).
@@ -41,12 +41,36 @@ def _schema_at(path: tuple[str | int, ...]) -> dict[str, Any]:
 
 
 def schema_errors(spec: dict[str, Any]) -> list[str]:
-    """What the API server says of an invalid spec, one line per field, in its own words."""
+    """What the API server says of an invalid spec, one line per field, in its own words: the schema,
+    then the CRD's CEL rules on the defaulted spec."""
     try:
-        RLJobSpec.model_validate_json(json.dumps(spec), strict=True)
+        validated = RLJobSpec.model_validate_json(json.dumps(spec), strict=True)
     except ValidationError as error:
         return [_api_server_message(e) for e in error.errors()]
-    return []
+    defaulted = validated.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return _cel_errors(crds.structural_schema(RLJobSpec), defaulted, "spec")
+
+
+def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[str]:
+    """The x-kubernetes-validations rules at ``node`` and below that ``value`` breaks (transition rules,
+    which compare with oldSelf, need an old object and are left to the API server)."""
+    import celpy
+    from celpy.adapter import json_to_cel
+
+    errors = []
+    for rule in node.get("x-kubernetes-validations", []):
+        if "oldSelf" in rule["rule"]:
+            continue
+        environment = celpy.Environment()
+        passed = environment.program(environment.compile(rule["rule"])).evaluate({"self": json_to_cel(value)})
+        if not passed:
+            field = path + rule.get("fieldPath", "")
+            kind = "Required value" if rule.get("reason") == "FieldValueRequired" else "Invalid value"
+            errors.append(f"{field}: {kind}: {rule['message']}")
+    for name, child in node.get("properties", {}).items():
+        if isinstance(value, dict) and name in value:
+            errors += _cel_errors(child, value[name], f"{path}.{name}")
+    return errors
 
 
 def _api_server_message(error: Any) -> str:
@@ -70,6 +94,8 @@ def _api_server_message(error: Any) -> str:
         words, key = bounds[kind]
         limit = _number(error["ctx"][key])
         return f"{field}: Invalid value: {_quoted(value)}: {field} in body should be {words} {limit}"
+    if kind == "string_pattern_mismatch":
+        return f"{field}: Invalid value: {_quoted(value)}: {field} in body should match '{node.get('pattern')}'"
     if kind == "string_too_short":
         least = node.get("minLength")
         return f"{field}: Invalid value: {_quoted(value)}: {field} in body should be at least {least} chars long"
