@@ -13,6 +13,7 @@ import pytest
 from kubernetes import client
 
 from lockstep.api import MismatchBudget
+from lockstep.cli import describe_status
 from lockstep.parity import default_policy
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods
@@ -37,6 +38,9 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
     assert any(e.reason == "PreflightPassed" for e in events_for(kube, namespace, "tiny"))
     assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"
     assert status["mismatch"]["step"] >= 1, "the trainer's live measurement reached the status"
+    shown = describe_status("tiny", status).splitlines()
+    assert any(line.startswith("  preflight: mean |Δlogprob| ") for line in shown), shown
+    assert any(line.startswith("  trainer's last parity measurement: step ") for line in shown), shown
     assert [r["step"] for r in result.steps] == list(range(1, STEPS + 1))
 
     rewards = [r["reward"] for r in result.steps]

@@ -169,6 +169,16 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
     lines = [f"RLJob {name}: {state.get('phase', 'Pending')}, {weights}"]
     for condition in state.get("conditions", []):
         lines.append(f"  {condition['type']}={condition['status']} ({condition['reason']}): {condition['message']}")
+    if preflight := state.get("preflight"):
+        lines.append(
+            f"  preflight: mean |Δlogprob| {preflight['meanAbsLogprobDiff']:.3g}, after an update with shared "
+            f"prompts {preflight['sharedPrefixMeanAbsLogprobDiff']:.3g}, over {preflight['tokens']} tokens"
+        )
+    if mismatch := state.get("mismatch"):
+        lines.append(
+            f"  trainer's last parity measurement: step {mismatch['step']}, mean |Δlogprob| "
+            f"{mismatch['meanAbsLogprobDiff']:.3g} on {mismatch['tokenFraction']:.0%} of its tokens"
+        )
     if barrier := state.get("barrier"):
         acked = f"{len(barrier.get('acked', []))}/{len(barrier['members'])}"
         lines.append(f"  barrier in flight: version {barrier['version']}, phase {barrier['phase']}, acked {acked}")
