@@ -114,7 +114,7 @@ def config_map(job: JobRef, config: EffectiveConfig) -> dict[str, Any]:
     document = {
         "fingerprint": config.fingerprint,
         "policy": config.policy,
-        "mismatchBudget": config.mismatch_budget,
+        "mismatchBudget": config.mismatch_budget.model_dump(mode="json", by_alias=True),
         **config.document(),
     }
     return {

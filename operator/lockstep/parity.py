@@ -15,6 +15,7 @@ from lockstep.api import (
     DType,
     Enforcement,
     LogprobsMode,
+    MismatchBudget,
     ParityPolicy,
     ParityPolicySpec,
     RLJobSpec,
@@ -81,7 +82,7 @@ class EffectiveConfig:
     enforcement: Enforcement
     vllm: dict[str, Any]
     trainer: dict[str, Any]
-    mismatch_budget: dict[str, Any]
+    mismatch_budget: MismatchBudget
     """Not part of the fingerprint: changing a budget changes no pod."""
     weight_update: dict[str, Any]
     model: dict[str, Any]
@@ -180,7 +181,7 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
         enforcement=policy.spec.enforcement,
         vllm=dict(sorted(vllm.items())),
         trainer=policy.spec.trainer.model_dump(mode="json", by_alias=True, exclude={"mismatch_budget"}),
-        mismatch_budget=policy.spec.trainer.mismatch_budget.model_dump(mode="json", by_alias=True),
+        mismatch_budget=policy.spec.trainer.mismatch_budget,
         weight_update=policy.spec.weight_update.model_dump(mode="json", by_alias=True),
         model=spec.model.model_dump(mode="json", by_alias=True),
         conflicts=conflicts,

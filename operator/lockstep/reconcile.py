@@ -17,7 +17,6 @@ from lockstep.api import (
     BudgetAction,
     Enforcement,
     Mismatch,
-    MismatchBudget,
     ParityPolicy,
     Phase,
     PreflightResult,
@@ -251,7 +250,7 @@ class _Reconciler:
             self.finish_job(spec, Phase.FAILED, "PreflightFailed", f"the preflight pod {name} {why}")
             return False
         self.status.preflight = result
-        budget = MismatchBudget.model_validate(config.mismatch_budget).mean_abs_logprob_diff
+        budget = config.mismatch_budget.mean_abs_logprob_diff
         worst = max(result.mean_abs_logprob_diff, result.shared_prefix_mean_abs_logprob_diff)
         numbers = (
             f"mean |Δlogprob| {result.mean_abs_logprob_diff:.3g}, after an in-flight update with shared prompts "
@@ -341,7 +340,7 @@ class _Reconciler:
         last = self.status.mismatch
         if last is None:
             return False
-        budget = MismatchBudget.model_validate(config.mismatch_budget)
+        budget = config.mismatch_budget
         numbers = (
             f"step {last.step}: mean |Δlogprob| {last.mean_abs_logprob_diff:.3g} between the trainer and the actors "
             f"on {last.token_fraction:.0%} of its tokens; budget {budget.mean_abs_logprob_diff:.3g} "

@@ -247,7 +247,6 @@ STEP_METRICS = (
 )
 """Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>``."""
 GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
-STEP = Gauge("lockstep_trainer_step", "Optimiser steps done.")
 PUBLISHED = Gauge("lockstep_trainer_weights_version", "The newest weights version published and announced.")
 
 
@@ -281,26 +280,20 @@ class PodEnvironment:
 
 
 def wait_for_actors(actors: Sequence[str], timeout: float = 1800.0) -> None:
-    """Block until every actor URL answers /ready with 200 (each has loaded its weights)."""
+    """Block until every actor URL answers /ready (each has loaded its weights)."""
     deadline = time.monotonic() + timeout
-    waiting = list(actors)
+    waiting = [url for url in actors if served_version(url) is None]
     while waiting:
-        for url in list(waiting):
-            try:
-                with urllib.request.urlopen(f"{url}/ready", timeout=5) as response:
-                    if response.status == 200:
-                        waiting.remove(url)
-            except OSError:
-                pass
-        if waiting:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"actors not ready after {timeout:.0f}s: {', '.join(waiting)}")
-            logger.info("waiting for %d of %d actor(s) to be ready: %s", len(waiting), len(actors), waiting[0])
-            time.sleep(2)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"actors not ready after {timeout:.0f}s: {', '.join(waiting)}")
+        logger.info("waiting for %d of %d actor(s) to be ready: %s", len(waiting), len(actors), waiting[0])
+        time.sleep(2)
+        waiting = [url for url in waiting if served_version(url) is None]
 
 
 def served_version(url: str) -> int | None:
-    """The weights version the actor behind ``url`` serves (any actor, through a Service), or None."""
+    """The weights version the actor behind ``url`` serves (any actor, through a Service), or None while it
+    is not ready (/ready answers 503) or not reachable."""
     try:
         with urllib.request.urlopen(f"{url}/ready", timeout=5) as response:
             return int(json.loads(response.read())["version"])
@@ -405,6 +398,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.objective.learning_rate)
     parity = TrainerParity.model_validate(env.config.get("trainer", {}))
     fp32_head = parity.lm_head_dtype is DType.FLOAT32
+    budget = MismatchBudget.model_validate(env.config.get("mismatchBudget", {})).mean_abs_logprob_diff
     reward: RewardFunction = load_callable(settings.reward)
     prompts: PromptSource = load_callable(settings.prompts)
     rollout = settings.rollout
@@ -464,9 +458,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
             stream.write(json.dumps(record) + "\n")
         for name, gauge in GAUGES.items():
             gauge.set(metrics[name])
-        STEP.set(step)
         PUBLISHED.set(step)
-        budget = MismatchBudget.model_validate(env.config.get("mismatchBudget", {})).mean_abs_logprob_diff
         if metrics["onpolicy_mean_abs_logprob_diff"] > budget:
             logger.warning(
                 "step %d: mean |logprob difference| %.2e on on-policy tokens exceeds the ParityPolicy budget %.2e",
