@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kubernetes import client
 
-from lockstep.api import Weights
+from lockstep.api import TransferGroup, Weights
 from lockstep_e2e.install import pod_client
 from lockstep_workers.agent import AgentCore, PodAgent
 
@@ -30,7 +30,7 @@ class RecordingEngine:
         self.gates["pause"].wait()
         self.calls.append("pause")
 
-    def load(self, weights: Weights) -> None:
+    def load(self, weights: Weights, group: TransferGroup | None) -> None:
         self.gates["load"].wait()
         self.calls.append(f"load {weights.version}")
 

@@ -294,8 +294,17 @@ class TrainerSpec(PodOverrides, Training):
 
 
 class WeightSyncBackend(StrEnum):
-    NCCL = "nccl"
+    """How weights reach the actors: files on a shared volume, or sent by the trainer in a process group
+    (NCCL between GPUs, gloo over TCP between CPUs; see lockstep_workers.transfer)."""
+
     FILESYSTEM = "filesystem"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    @property
+    def collective(self) -> bool:
+        """True when the trainer sends the weights itself, as a member of every barrier."""
+        return self is not WeightSyncBackend.FILESYSTEM
 
 
 class TimeoutAction(StrEnum):
@@ -323,7 +332,9 @@ class WeightSync(Model):
     volume: dict[str, Any] | None = Field(
         None,
         description="A Kubernetes volume source (without a name), mounted in every pod of the job: the trainer "
-        "writes weights and metrics.jsonl under <mount>/<job uid>/.",
+        "writes weights and metrics.jsonl under <mount>/<job uid>/. Required with backend filesystem; with nccl or "
+        "gloo it is optional and keeps the trainer's checkpoints across trainer restarts (without it they live in an "
+        "emptyDir, and a trainer that lost its pod after weights were committed cannot resume).",
         json_schema_extra=OPAQUE_OBJECT,
     )
     barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
@@ -384,6 +395,14 @@ class Weights(Model):
     digest: Annotated[str, Field(min_length=1)]
 
 
+class TransferGroup(Model):
+    """A member's place in the process group that carries one barrier's weights (collective backends): the
+    trainer is rank 0; an actor's vLLM workers take ranks ``rankOffset`` to ``rankOffset + workers - 1``."""
+
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=2)
+
+
 class Command(Model):
     """``lockstep.dev/barrier``: what the operator asks a member pod to do."""
 
@@ -393,6 +412,9 @@ class Command(Model):
     uri: str
     digest: str
     phase: BarrierPhase
+    group: TransferGroup | None = Field(
+        None, description="collective backends, Update phase: this member's rank in the transfer group"
+    )
 
 
 class Ack(Model):
@@ -447,12 +469,23 @@ class BarrierStatus(Model):
     slowest: dict[str, str] = Field(default_factory=dict, description="phase → the last member to ack it")
     evicted: list[str] = Field(default_factory=list)
     reported: dict[str, str] = Field(default_factory=dict, description="pod → invalid ack already reported")
+    transfer_ranks: dict[str, int] = Field(
+        default_factory=dict,
+        description="collective backends, from the Update phase on: member → its first rank in the transfer group",
+    )
+    transfer_world_size: int | None = None
 
     def weights(self) -> Weights:
         return Weights(version=self.version, uri=self.uri, digest=self.digest)
 
-    def command(self) -> Command:
-        return Command(id=self.id, version=self.version, uri=self.uri, digest=self.digest, phase=self.phase)
+    def command(self, member: str) -> Command:
+        """The command for ``member``: its rank in the transfer group, when it has one, in the Update phase."""
+        group = None
+        if self.phase is BarrierPhase.UPDATE and member in self.transfer_ranks and self.transfer_world_size:
+            group = TransferGroup(rank_offset=self.transfer_ranks[member], world_size=self.transfer_world_size)
+        return Command(
+            id=self.id, version=self.version, uri=self.uri, digest=self.digest, phase=self.phase, group=group
+        )
 
 
 class BarrierOutcome(StrEnum):

@@ -87,12 +87,13 @@ def announced_by(trainer: dict[str, Any]) -> Weights | str | None:
     return read_document(_annotations(trainer).get(keys.WEIGHTS), Weights)
 
 
-def member_of(pod: dict[str, Any]) -> Member:
-    """How the barrier sees a running pod: its ack, and the newest version it loaded (ack or initial weights)."""
+def member_of(pod: dict[str, Any], *, reads_initial_weights: bool = True) -> Member:
+    """How the barrier sees a running pod: its ack, and the newest version it loaded (its ack, or the initial
+    weights it loads at start when ``reads_initial_weights``: from files, not with a collective backend)."""
     annotations = _annotations(pod)
     ack = parse_ack(annotations.get(keys.BARRIER_ACK))
     loaded = ack.loaded_version if isinstance(ack, Ack) else None
-    if loaded is None and keys.INITIAL_WEIGHTS in annotations:
+    if loaded is None and reads_initial_weights and keys.INITIAL_WEIGHTS in annotations:
         loaded = json.loads(annotations[keys.INITIAL_WEIGHTS]).get("version")
     return Member(pod["metadata"]["name"], pod["metadata"]["uid"], True, loaded, annotations.get(keys.BARRIER_ACK))
 
@@ -113,21 +114,27 @@ def step(
     now: dt.datetime,
     timeout_seconds: float,
     on_timeout: TimeoutAction,
+    sender: str | None = None,
+    ranks_per_member: int = 1,
 ) -> Decision:
-    """Advance the barrier by what the member pods say; open one when weights are newer than committed."""
+    """Advance the barrier by what the member pods say; open one when weights are newer than committed.
+
+    ``sender`` names the member that sends the weights (the trainer, with a collective backend; None when the
+    actors read files). It joins every barrier as rank 0 of the transfer group; the members that need the
+    weights get ``ranks_per_member`` ranks each (their vLLM workers) when the Update phase begins.
+    """
     decision = Decision(barrier=barrier, committed=committed)
     if decision.barrier is None:
-        decision.barrier = _maybe_open(job_uid, committed, announced, members, history, now, timeout_seconds)
+        decision.barrier = _maybe_open(job_uid, committed, announced, members, history, now, timeout_seconds, sender)
         if decision.barrier is None:
             return decision
         decision.notes.append(
             f"opened barrier {decision.barrier.id} for weights version {decision.barrier.version} with "
             f"{len(decision.barrier.members)} member(s)"
         )
-    _advance(decision, members, now, timeout_seconds, on_timeout)
+    _advance(decision, members, now, timeout_seconds, on_timeout, ranks_per_member)
     if decision.barrier is not None:
-        command = decision.barrier.command()
-        decision.commands = {name: command for name in decision.barrier.members}
+        decision.commands = {name: decision.barrier.command(name) for name in decision.barrier.members}
     return decision
 
 
@@ -139,8 +146,12 @@ def _maybe_open(
     history: list[BarrierRecord],
     now: dt.datetime,
     timeout_seconds: float,
+    sender: str | None,
 ) -> BarrierStatus | None:
-    alive = [m for m in members if m.alive]
+    alive = [m for m in members if m.alive and m.name != sender]
+    sending = [m for m in members if m.alive and m.name == sender]
+    if sender is not None and not sending:
+        return None  # the weights can only come from the sender: wait for it
     if announced is not None and (committed is None or announced.version > committed.version):
         target, joining = announced, alive
     elif committed is not None:
@@ -159,7 +170,8 @@ def _maybe_open(
         uri=target.uri,
         digest=target.digest,
         phase=BarrierPhase.PAUSE,
-        members={m.name: m.uid for m in joining},
+        members={m.name: m.uid for m in [*sending, *joining]},
+        transfer_ranks={sender: 0} if sender is not None else {},
         started_at=stamp,
         phase_started_at=stamp,
         deadline=rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True),
@@ -167,7 +179,12 @@ def _maybe_open(
 
 
 def _advance(
-    decision: Decision, members: list[Member], now: dt.datetime, timeout_seconds: float, on_timeout: TimeoutAction
+    decision: Decision,
+    members: list[Member],
+    now: dt.datetime,
+    timeout_seconds: float,
+    on_timeout: TimeoutAction,
+    ranks_per_member: int,
 ) -> None:
     barrier = decision.barrier
     assert barrier is not None
@@ -178,6 +195,10 @@ def _advance(
             del barrier.members[name]
             decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
     while True:
+        if broken := _broken_transfer(barrier):
+            if not _handle_stragglers(decision, broken, now, on_timeout):
+                return
+            continue
         errors = _collect_acks(decision, seen)
         pending = [name for name in barrier.members if name not in barrier.acked]
         if errors or (pending and now >= parse_rfc3339(barrier.deadline)):
@@ -188,8 +209,22 @@ def _advance(
             continue
         if pending:
             return
-        if not _next_phase(decision, now, timeout_seconds):
+        if not _next_phase(decision, seen, now, timeout_seconds, ranks_per_member):
             return
+
+
+def _broken_transfer(barrier: BarrierStatus) -> dict[str, str]:
+    """Collective backends: once a member of the transfer group (the sender from the start, the receivers
+    from the Update phase on) has left before the transfer was done, the members still waiting for the
+    weights can never receive them; they are stragglers. The group is then dissolved."""
+    if barrier.phase is BarrierPhase.RESUME:
+        return {}
+    lost = sorted(name for name in barrier.transfer_ranks if name not in barrier.members)
+    if not lost:
+        return {}
+    barrier.transfer_ranks = {}
+    why = f"cannot receive weights version {barrier.version}: {', '.join(lost)} left the weight transfer group"
+    return {name: why for name in barrier.members if name not in barrier.acked or barrier.phase is BarrierPhase.PAUSE}
 
 
 def _collect_acks(decision: Decision, seen: dict[str, Member]) -> dict[str, str]:
@@ -236,7 +271,9 @@ def _handle_stragglers(
     return True
 
 
-def _next_phase(decision: Decision, now: dt.datetime, timeout_seconds: float) -> bool:
+def _next_phase(
+    decision: Decision, seen: dict[str, Member], now: dt.datetime, timeout_seconds: float, ranks_per_member: int
+) -> bool:
     """Every member acked the current phase: move on, or close the barrier. True when it is still open."""
     barrier = decision.barrier
     assert barrier is not None
@@ -256,10 +293,24 @@ def _next_phase(decision: Decision, now: dt.datetime, timeout_seconds: float) ->
         decision.barrier = None
         return False
     barrier.phase = following
+    if following is BarrierPhase.UPDATE and barrier.transfer_ranks:
+        _form_transfer_group(barrier, seen, ranks_per_member)
     barrier.phase_started_at = rfc3339(now, milliseconds=True)
     barrier.deadline = rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True)
     barrier.acked = []
     return True
+
+
+def _form_transfer_group(barrier: BarrierStatus, seen: dict[str, Member], ranks_per_member: int) -> None:
+    """Rank the members that need the weights after the sender (rank 0), in name order; with none, no group."""
+    [sender] = barrier.transfer_ranks
+    receivers = sorted(
+        name for name in barrier.members if name != sender and seen[name].loaded_version != barrier.version
+    )
+    barrier.transfer_ranks = {sender: 0} if receivers else {}
+    for position, name in enumerate(receivers):
+        barrier.transfer_ranks[name] = 1 + position * ranks_per_member
+    barrier.transfer_world_size = 1 + len(receivers) * ranks_per_member if receivers else None
 
 
 def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -> BarrierRecord:

@@ -24,7 +24,6 @@ from lockstep.api import (
     RLJobSpec,
     RLJobStatus,
     Weights,
-    WeightSyncBackend,
 )
 from lockstep.conditions import PARITY_DEGRADED, PARITY_LOCKED, READY, RECONCILING, STALLED, find, set_condition
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
@@ -296,7 +295,7 @@ class _Reconciler:
         elif missing or replaced:
             self.plan.requeue_after = wait
         live = {name: pod for name, pod in self.pods.items() if name not in self.plan.delete_pods and name in wanted}
-        if self.run_barrier(spec, live, hold=self.check_parity(config, rank0)):
+        if self.run_barrier(spec, config, live, hold=self.check_parity(config, rank0)):
             return
         self.count(spec, live)
         if self.status.actors.ready == spec.actors.replicas and self.status.trainer.ready == spec.trainer.replicas:
@@ -312,7 +311,7 @@ class _Reconciler:
     def finish_training(self, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, Any]) -> None:
         """Rank 0 has completed: carry its last announced weights to every actor (unless the ParityPolicy
         holds weight updates), then succeed."""
-        if self.run_barrier(spec, self.pods, hold=self.check_parity(config, rank0)):
+        if self.run_barrier(spec, config, self.pods, hold=self.check_parity(config, rank0)):
             return
         announced = barrier.announced_by(rank0)
         final = announced.version if isinstance(announced, Weights) else None
@@ -359,15 +358,19 @@ class _Reconciler:
         self.condition(PARITY_DEGRADED, True, "MismatchBudgetExceeded", f"over budget at {numbers}{advice}")
         return hold
 
-    def run_barrier(self, spec: RLJobSpec, live: dict[str, dict[str, Any]], *, hold: bool = False) -> bool:
-        """Advance the weight-update barrier (open none while ``hold``); True when it failed the job."""
-        roles = (keys.ACTOR, keys.TRAINER) if spec.weight_sync.backend is WeightSyncBackend.NCCL else (keys.ACTOR,)
+    def run_barrier(
+        self, spec: RLJobSpec, config: EffectiveConfig, live: dict[str, dict[str, Any]], *, hold: bool = False
+    ) -> bool:
+        """Advance the weight-update barrier (open none while ``hold``); True when it failed the job. With a
+        collective backend trainer rank 0 is a member too: it sends the weights."""
+        rank0_name = desired.pod_name(self.job.name, keys.TRAINER, 0)
+        collective = spec.weight_sync.backend.collective
         members = {
-            name: barrier.member_of(pod)
+            name: barrier.member_of(pod, reads_initial_weights=not collective)
             for name, pod in live.items()
-            if _role(pod) in roles and pod_phase(pod) == "Running"
+            if (_role(pod) == keys.ACTOR or (collective and name == rank0_name)) and pod_phase(pod) == "Running"
         }
-        rank0 = live.get(desired.pod_name(self.job.name, keys.TRAINER, 0))
+        rank0 = live.get(rank0_name)
         announced = barrier.announced_by(rank0) if rank0 is not None else None
         if isinstance(announced, str):
             self.event("InvalidWeightsAnnouncement", f"{keys.WEIGHTS} on the trainer {announced}", warning=True)
@@ -382,6 +385,8 @@ class _Reconciler:
             now=self.observed.now,
             timeout_seconds=spec.weight_sync.barrier_timeout_seconds,
             on_timeout=spec.weight_sync.on_timeout,
+            sender=rank0_name if collective else None,
+            ranks_per_member=int(config.vllm.get("tensorParallelSize", 1)),
         )
         self.status.barrier = decision.barrier
         self.status.weights = decision.committed

@@ -9,6 +9,11 @@ the newest weights are loaded; the body has the version served and the history o
 with their times), ``GET /metrics`` (Prometheus). Nothing else: vLLM's dev-mode
 endpoints (/collective_rpc and friends) do not exist here; weights are reloaded only through the
 barrier agent, which acts on commands the operator writes on this pod.
+
+Weights arrive as files on the shared volume, or (spec.weightSync.backend nccl or gloo, in
+$LOCKSTEP_WEIGHT_SYNC) sent by the trainer into vLLM's weight-transfer engine (lockstep_workers.transfer).
+With those, a new actor cannot fetch the job's committed weights by itself: it reports ready only once a
+barrier has brought it to them.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
-from lockstep.api import PauseMode, VllmSettings, Weights, WeightUpdateSemantics
+from lockstep.api import PauseMode, TransferGroup, VllmSettings, Weights, WeightSyncBackend, WeightUpdateSemantics
 from lockstep.parity import settings_dict
+from lockstep_workers.transfer import VLLM_ENGINE, receive
 from lockstep_workers.weights import verified_path
 
 logger = logging.getLogger("lockstep.actor")
@@ -64,11 +70,14 @@ def settings_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_args(model: str, settings: VllmSettings) -> Any:
-    """vLLM's AsyncEngineArgs for the effective settings, with the weight-reload extension."""
+def engine_args(model: str, settings: VllmSettings, backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM) -> Any:
+    """vLLM's AsyncEngineArgs for the effective settings, with the weight-reload extension and, for a
+    collective backend, vLLM's weight-transfer engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs = {name: value for name, value in settings.model_dump(mode="json").items() if value is not None}
+    if backend.collective:
+        kwargs["weight_transfer_config"] = {"backend": VLLM_ENGINE[backend]}
     return AsyncEngineArgs(model=model, worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader", **kwargs)
 
 
@@ -81,10 +90,18 @@ class Actor:
     version, when the actor paused, loaded and resumed (wall-clock seconds).
     """
 
-    def __init__(self, llm: Any, *, pause_mode: PauseMode = PauseMode.KEEP, clear_cache: bool = False) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        pause_mode: PauseMode = PauseMode.KEEP,
+        clear_cache: bool = False,
+        backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM,
+    ) -> None:
         self.llm = llm
         self.pause_mode = pause_mode
         self.clear_cache = clear_cache
+        self.backend = backend
         self.loaded = BASE_VERSION
         self.serving = BASE_VERSION
         self.paused_at: float | None = None
@@ -116,10 +133,14 @@ class Actor:
         self.paused_at = time.time()
         PAUSED.set(1)
 
-    async def load(self, weights: Weights) -> None:
-        """Check the digest, then reload the weights in place in every vLLM worker."""
-        path = verified_path(weights)
-        await self.llm.collective_rpc("lockstep_reload", args=(str(path),))
+    async def load(self, weights: Weights, group: TransferGroup | None = None) -> None:
+        """Reload the weights in place in every vLLM worker: from their file, after checking the digest, or
+        received from the trainer in ``group``."""
+        if group is not None:
+            await receive(self.llm, weights, group, self.backend)
+        else:
+            path = verified_path(weights)
+            await self.llm.collective_rpc("lockstep_reload", args=(str(path),))
         self.loaded = weights.version
         self.updates.append({"version": weights.version, "pausedAt": self.paused_at, "loadedAt": time.time()})
         if self.paused_at is None:  # initial weights, loaded before serving
@@ -150,21 +171,25 @@ class LoopEngine:
     def pause(self) -> None:
         self._run(self.actor.pause())
 
-    def load(self, weights: Weights) -> None:
-        self._run(self.actor.load(weights))
+    def load(self, weights: Weights, group: TransferGroup | None) -> None:
+        self._run(self.actor.load(weights, group))
 
     def resume(self) -> None:
         self._run(self.actor.resume())
 
 
-def application(actor: Actor, ready: threading.Event) -> web.Application:
+def application(actor: Actor, ready: threading.Event, serving_at_least: int = BASE_VERSION) -> web.Application:
+    """The actor's HTTP API; /ready answers 200 once ``ready`` is set and the actor serves
+    ``serving_at_least`` or newer."""
+
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         return web.json_response(await actor.generate(list(body["prompt_token_ids"]), dict(body.get("sampling", {}))))
 
     async def readiness(_: web.Request) -> web.Response:
-        body = {"ready": ready.is_set(), "version": actor.serving, "updates": actor.updates}
-        return web.json_response(body, status=200 if ready.is_set() else 503)
+        is_ready = ready.is_set() and actor.serving >= serving_at_least
+        body = {"ready": is_ready, "version": actor.serving, "updates": actor.updates}
+        return web.json_response(body, status=200 if is_ready else 503)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -183,17 +208,23 @@ async def serve(options: argparse.Namespace) -> None:
     update = WeightUpdateSemantics()
     if config_file := os.environ.get("LOCKSTEP_CONFIG"):
         update = WeightUpdateSemantics.model_validate(json.loads(Path(config_file).read_text())["weightUpdate"])
-    llm = AsyncLLM.from_engine_args(engine_args(options.model, settings))
-    actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache)
-    logger.info("vLLM is up with %s", settings_dict(settings))
+    backend = WeightSyncBackend(os.environ.get("LOCKSTEP_WEIGHT_SYNC", WeightSyncBackend.FILESYSTEM))
+    llm = AsyncLLM.from_engine_args(engine_args(options.model, settings, backend))
+    actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache, backend=backend)
+    logger.info("vLLM is up with %s; weights arrive by %s", settings_dict(settings), backend.value)
     ready = threading.Event()
     stop = threading.Event()
+    serving_at_least = BASE_VERSION
     if os.environ.get("POD_NAME"):
         agent = _pod_agent(actor, asyncio.get_running_loop())
-        await asyncio.to_thread(agent.start)  # the newest committed weights, before ready
+        if backend.collective:  # the committed weights come in the operator's catch-up barrier
+            initial = await asyncio.to_thread(agent.initial_weights)
+            serving_at_least = initial.version if initial is not None else BASE_VERSION
+        else:
+            await asyncio.to_thread(agent.start)  # the newest committed weights, before ready
         threading.Thread(target=agent.run, args=(stop,), name="barrier-agent", daemon=True).start()
     ready.set()
-    runner = web.AppRunner(application(actor, ready))
+    runner = web.AppRunner(application(actor, ready, serving_at_least))
     await runner.setup()
     await web.TCPSite(runner, "0.0.0.0", options.port).start()
     stopping = asyncio.Event()

@@ -16,21 +16,23 @@ from typing import Any, Protocol
 from kubernetes import client, config, watch
 
 from lockstep import keys
-from lockstep.api import Ack, BarrierPhase, Command, Weights
+from lockstep.api import Ack, BarrierPhase, Command, TransferGroup, Weights
 from lockstep.barrier import ACK_FOR, document, read_document
 
 logger = logging.getLogger("lockstep.agent")
 
 
 class Engine(Protocol):
-    """What the agent drives: the vLLM actor implements it (and the trainer, for the NCCL sender side)."""
+    """What the agent drives: the vLLM actor implements it, and the trainer as the sender of the collective
+    backends (its pause and resume do nothing)."""
 
     def pause(self) -> None:
         """Stop scheduling; keep in-flight requests and the KV cache (pause_generation(mode="keep",
         clear_cache=False))."""
 
-    def load(self, weights: Weights) -> None:
-        """Load ``weights`` (checking the digest); raise on failure."""
+    def load(self, weights: Weights, group: TransferGroup | None) -> None:
+        """Put ``weights`` in place, or raise: read them from their file (checking the digest), or, given a
+        transfer ``group``, take part in it at that rank (receive, or send as rank 0)."""
 
     def resume(self) -> None:
         """Continue the paused requests under the loaded weights (resume_generation())."""
@@ -46,7 +48,7 @@ class AgentCore:
     def start(self, initial: Weights | None) -> None:
         """Load the weights the job had committed when this pod was created, before reporting ready."""
         if initial is not None:
-            self.engine.load(initial)
+            self.engine.load(initial, None)
             self.loaded = initial
 
     def handle(self, command: Command) -> Ack:
@@ -58,10 +60,10 @@ class AgentCore:
         error = None
         try:
             self._pause()
-            if command.phase is not BarrierPhase.PAUSE and self.loaded != weights:
+            if command.phase is not BarrierPhase.PAUSE and (self.loaded != weights or command.group is not None):
                 # An agent that restarted mid-barrier may see Update or Resume first: it still
-                # pauses, loads and resumes in that order.
-                self.engine.load(weights)
+                # pauses, loads and resumes in that order. A member of a transfer group always takes part.
+                self.engine.load(weights, command.group)
                 self.loaded = weights
             if command.phase is BarrierPhase.RESUME:
                 self.engine.resume()
@@ -118,9 +120,13 @@ class PodAgent:
         self.namespace = namespace
         self.pod = pod
 
+    def initial_weights(self) -> Weights | None:
+        """The weights the job had committed when the operator created this pod."""
+        return initial_weights(self.api, self.namespace, self.pod)
+
     def start(self) -> None:
         """Load the pod's initial weights (set by the operator) before the pod reports ready."""
-        self.core.start(initial_weights(self.api, self.namespace, self.pod))
+        self.core.start(self.initial_weights())
 
     def run(self, stop: threading.Event, watch_seconds: int = 30) -> None:
         """Act on every command written on this pod until ``stop`` is set."""

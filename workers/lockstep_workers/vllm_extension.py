@@ -3,6 +3,9 @@
 On this vLLM's CPU backend the linear weights are repacked after loading, so a plain
 ``model.load_weights`` fails; ``model_runner.reload_weights`` with checkpoint-format tensors works.
 Reached only through AsyncLLM.collective_rpc inside the actor process, never over HTTP.
+
+Importing it (vLLM does, in every worker process, before the model loads) also registers the gloo
+weight-transfer engine with vLLM's factory (lockstep_workers.gloo_engine).
 """
 
 from __future__ import annotations
@@ -10,7 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from lockstep_workers.transfer import GLOO_ENGINE
 from lockstep_workers.weights import tensors
+
+if GLOO_ENGINE not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(GLOO_ENGINE, "lockstep_workers.gloo_engine", "GlooWeightTransferEngine")
 
 
 class WeightReloader:

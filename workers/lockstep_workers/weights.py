@@ -34,14 +34,19 @@ def digest_of(path: Path) -> str:
 def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int = 3) -> Weights:
     """Write ``tensors`` as weights version ``version``; return what to announce."""
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"v{version:06d}.safetensors"
-    partial = directory / f".v{version:06d}.safetensors.partial"
+    final = version_path(directory, version)
+    partial = final.with_name(f".{final.name}.partial")
     save_file(_untied(tensors), str(partial))
     digest = digest_of(partial)
     os.replace(partial, final)
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
         old.unlink(missing_ok=True)
     return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
+
+
+def version_path(directory: Path, version: int) -> Path:
+    """Where weights version ``version`` is published in ``directory``."""
+    return directory / f"v{version:06d}.safetensors"
 
 
 def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockstep.api import Ack, BarrierPhase, BarrierRecord, BarrierStatus, Command, TimeoutAction, Weights
+from lockstep.api import Ack, BarrierPhase, BarrierRecord, BarrierStatus, Command, TimeoutAction, TransferGroup, Weights
 from lockstep.barrier import ACK_FOR, Member, document, parse_ack, remember, step
 from lockstep_workers.agent import AgentCore
 
@@ -40,7 +40,7 @@ class FakeEngine:
     def pause(self) -> None:
         self.calls.append("pause")
 
-    def load(self, target: Weights) -> None:
+    def load(self, target: Weights, group: TransferGroup | None) -> None:
         if self.fail_next_load:
             self.fail_next_load = False
             raise OSError(f"digest mismatch for {target.uri}")

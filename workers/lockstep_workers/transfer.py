@@ -1,0 +1,188 @@
+"""The collective weight transports (spec.weightSync.backend nccl or gloo): the trainer sends each weights
+version straight into the actors' vLLM workers, in a process group formed for one barrier.
+
+- **nccl** (GPU clusters): vLLM's NCCL weight-transfer engine receives in every vLLM worker; the trainer
+  is rank 0 and sends with vLLM's packed NCCL broadcast.
+- **gloo** (CPU clusters, and the tests here): the same engine lifecycle (start, receive and load
+  layer by layer, finish) over a gloo process group, registered with vLLM's weight-transfer factory.
+
+The trainer keeps each version it publishes as a safetensors file (also what it resumes from) and serves
+the file's tensor list, its **manifest**, at the URI it announces. In the barrier's Update phase the
+operator gives every member its rank in the group (``Command.group``): the trainer opens the rendezvous
+as rank 0 and sends the file's tensors in manifest order; each actor fetches the manifest, checks that
+its digest is the announced one, and receives through vLLM's weight-transfer API in its own process
+(``AsyncLLM.init_weight_transfer_engine`` and friends), never through vLLM's HTTP dev endpoints.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from safetensors import safe_open
+
+from lockstep.api import Model, TransferGroup, Weights, WeightSyncBackend
+from lockstep_workers.weights import digest_of, version_path
+
+logger = logging.getLogger("lockstep.transfer")
+
+GLOO_ENGINE = "lockstep_gloo"
+"""The name the gloo engine is registered under in vLLM's WeightTransferEngineFactory."""
+VLLM_ENGINE = {WeightSyncBackend.NCCL: "nccl", WeightSyncBackend.GLOO: GLOO_ENGINE}
+GROUP_TIMEOUT = dt.timedelta(minutes=10)
+"""How long a member waits for the others in the group; the barrier's own deadline usually acts first."""
+
+
+class Manifest(Model):
+    """What the trainer serves at an announced URI: where to meet it, and the tensors it will send, in order."""
+
+    version: int
+    digest: str
+    rendezvous: str = Field(description="host:port of the group's rendezvous (the trainer, rank 0)")
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def host_and_port(self) -> tuple[str, int]:
+        host, _, port = self.rendezvous.rpartition(":")
+        return host, int(port)
+
+    def update_info(self) -> dict[str, Any]:
+        """vLLM's update info for the NCCL-style engines."""
+        return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+
+
+def manifest_of(path: Path, version: int, rendezvous: str) -> Manifest:
+    """The manifest of a published weights file, read from its header (no tensor is loaded)."""
+    names, dtypes, shapes = [], [], []
+    with safe_open(str(path), "pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            tensor = checkpoint.get_slice(name)
+            names.append(name)
+            dtypes.append(str(_TORCH_DTYPES[tensor.get_dtype()]).removeprefix("torch."))
+            shapes.append(list(tensor.get_shape()))
+    return Manifest(
+        version=version, digest=digest_of(path), rendezvous=rendezvous, names=names, dtype_names=dtypes, shapes=shapes
+    )
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors one at a time, in manifest order."""
+    with safe_open(str(path), "pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            yield name, checkpoint.get_tensor(name)
+
+
+class ManifestServer:
+    """Serves ``GET /weights/<version>``: the manifest of a version the trainer still keeps (404 otherwise)."""
+
+    PATH = re.compile(r"^/weights/(\d+)$")
+
+    def __init__(self, directory: Path, port: int, rendezvous: str) -> None:
+        served = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                match = served.PATH.match(self.path)
+                version = int(match.group(1)) if match else None
+                path = version_path(directory, version) if version is not None else None
+                if version is None or path is None or not path.exists():
+                    self.send_error(404, "no such weights version here (the trainer keeps the newest few)")
+                    return
+                body = manifest_of(path, version, rendezvous).model_dump_json(by_alias=True).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        threading.Thread(target=self.server.serve_forever, name="manifest-server", daemon=True).start()
+
+
+def manifest_uri(host: str, port: int, version: int) -> str:
+    return f"http://{host}:{port}/weights/{version}"
+
+
+def fetch_manifest(weights: Weights) -> Manifest:
+    """The manifest at ``weights.uri``, checked against the announced digest."""
+    with urllib.request.urlopen(weights.uri, timeout=30) as response:
+        manifest = Manifest.model_validate(json.loads(response.read()))
+    if (manifest.version, manifest.digest) != (weights.version, weights.digest):
+        raise ValueError(
+            f"the trainer serves version {manifest.version} ({manifest.digest}) at {weights.uri}, but version "
+            f"{weights.version} was announced as {weights.digest}"
+        )
+    return manifest
+
+
+def send(path: Path, manifest: Manifest, group: TransferGroup, backend: WeightSyncBackend) -> None:
+    """Open the group as rank 0 and send the file's tensors; returns once every receiver has them."""
+    host, port = manifest.host_and_port()
+    tensors = _checkpoint_tensors(path)
+    if backend is WeightSyncBackend.NCCL:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        communicator = trainer_init({"master_address": host, "master_port": port, "world_size": group.world_size})
+        try:
+            packed_nccl_broadcast_producer(
+                iterator=((name, tensor.cuda()) for name, tensor in tensors),
+                group=communicator,
+                src=0,
+                post_iter_func=lambda item: item[1],
+            )
+            torch.cuda.current_stream().synchronize()
+        finally:
+            communicator.destroy()  # type: ignore[no-untyped-call]
+        return
+    process_group = gloo_group(host, port, 0, group.world_size)
+    for _name, tensor in tensors:
+        process_group.broadcast(tensor.contiguous(), 0).wait()
+
+
+def gloo_group(host: str, port: int, rank: int, world_size: int) -> Any:
+    """A gloo process group of its own (not torch.distributed's default group, which the trainer's ranks use)."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo", timeout=GROUP_TIMEOUT)
+
+
+async def receive(llm: Any, weights: Weights, group: TransferGroup, backend: WeightSyncBackend) -> None:
+    """Receive ``weights`` into every vLLM worker of ``llm`` (an AsyncLLM) and load them in place."""
+    import asyncio
+
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    manifest = await asyncio.to_thread(fetch_manifest, weights)
+    host, port = manifest.host_and_port()
+    init_info = {
+        "master_address": host,
+        "master_port": port,
+        "rank_offset": group.rank_offset,
+        "world_size": group.world_size,
+        "packed": backend is WeightSyncBackend.NCCL,
+    }
+    await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+    try:
+        await llm.start_weight_update()
+        await llm.update_weights(WeightTransferUpdateRequest(update_info=manifest.update_info()))
+        await llm.finish_weight_update()
+    finally:
+        await llm.shutdown_weight_transfer_engine()

@@ -1,0 +1,145 @@
+"""The collective weight transports: the trainer sends a version into a vLLM actor's workers through vLLM's
+weight-transfer engine, in the middle of a request (gloo here; NCCL when a GPU with a CUDA build of vLLM is
+present)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lockstep.api import TransferGroup, Weights, WeightSyncBackend
+
+TEMPERATURE = 0.7
+
+
+def _cuda_vllm() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and "cpu" not in __import__("vllm").__version__
+
+
+def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Weights]:
+    """The tiny model with a perturbed lm_head, published as version 1."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lockstep_workers.weights import publish
+
+    generator = torch.Generator().manual_seed(7)
+    updated = {
+        name: t + 0.5 * torch.randn(t.shape, generator=generator) if "lm_head" in name else t
+        for name, t in load_file(str(model_dir / "model.safetensors")).items()
+    }
+    return updated, publish(updated, directory, version=1)
+
+
+def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_path: Path) -> None:
+    import torch
+
+    from lockstep_e2e.cluster import free_port
+    from lockstep_workers.transfer import ManifestServer, fetch_manifest, manifest_uri
+    from lockstep_workers.weights import publish
+
+    state = {"a.weight": torch.ones(2, 3), "b.bias": torch.zeros(4, dtype=torch.bfloat16)}
+    published = publish(state, tmp_path, version=3)
+    port = free_port()
+    ManifestServer(tmp_path, port, rendezvous="trainer:1234")
+    announced = published.model_copy(update={"uri": manifest_uri("127.0.0.1", port, 3)})
+    manifest = fetch_manifest(announced)
+    assert manifest.host_and_port() == ("trainer", 1234)
+    assert dict(zip(manifest.names, manifest.shapes, strict=True)) == {"a.weight": [2, 3], "b.bias": [4]}
+    assert dict(zip(manifest.names, manifest.dtype_names, strict=True)) == {"a.weight": "float32", "b.bias": "bfloat16"}
+    with pytest.raises(ValueError, match="was announced as sha256:0"):
+        fetch_manifest(announced.model_copy(update={"digest": "sha256:" + "0" * 64}))
+    with pytest.raises(OSError, match="404"):
+        fetch_manifest(announced.model_copy(update={"uri": manifest_uri("127.0.0.1", port, 2), "version": 2}))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "backend",
+    [
+        WeightSyncBackend.GLOO,
+        pytest.param(
+            WeightSyncBackend.NCCL,
+            marks=pytest.mark.skipif(
+                not _cuda_vllm(), reason="NCCL needs a CUDA GPU and a CUDA build of vLLM; this machine has neither"
+            ),
+        ),
+    ],
+)
+def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend: WeightSyncBackend) -> None:
+    import torch
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lockstep.api import VllmSettings
+    from lockstep.parity import default_policy
+    from lockstep_e2e.cluster import free_port
+    from lockstep_workers.actor import Actor, engine_args
+    from lockstep_workers.tiny_model import create_tiny_llama
+    from lockstep_workers.transfer import ManifestServer, manifest_of, manifest_uri, send
+    from lockstep_workers.weights import version_path
+
+    from test_actor import trainer_logprobs
+
+    model_dir = create_tiny_llama(tmp_path / "model")
+    updated, published = updated_model(model_dir, tmp_path / "weights")
+    http_port, rendezvous_port = free_port(), free_port()
+    rendezvous = f"127.0.0.1:{rendezvous_port}"
+    ManifestServer(tmp_path / "weights", http_port, rendezvous)
+    weights = published.model_copy(update={"uri": manifest_uri("127.0.0.1", http_port, 1)})
+    group = TransferGroup(rank_offset=1, world_size=2)
+
+    settings = VllmSettings(
+        **{
+            **default_policy().spec.vllm.model_dump(),
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 512,
+            "gpu_memory_utilization": 0.2,
+            "seed": 0,
+        }
+    )
+    prompt = [1, 10, 11, 12, 13]
+    sampling = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True, "seed": 3}
+    sent: list[BaseException | None] = []
+
+    def trainer() -> None:
+        path = version_path(tmp_path / "weights", 1)
+        try:
+            send(path, manifest_of(path, 1, rendezvous), TransferGroup(rank_offset=0, world_size=2), backend)
+            sent.append(None)
+        except BaseException as error:  # reported by the assertion below
+            sent.append(error)
+
+    async def scenario() -> dict[str, Any]:
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), settings, backend))
+        actor = Actor(llm, backend=backend)
+        try:
+            request = asyncio.create_task(actor.generate(prompt, sampling))
+            await asyncio.sleep(0.5)
+            await actor.pause()
+            sender = threading.Thread(target=trainer)
+            sender.start()
+            await actor.load(weights, group)
+            await asyncio.to_thread(sender.join)
+            await actor.resume()
+            return await request
+        finally:
+            llm.shutdown()
+
+    result = asyncio.run(scenario())
+    assert sent == [None]
+    tokens, logprobs, versions = result["token_ids"], result["logprobs"], result["weights_versions"]
+    switch = versions.index(1)
+    assert 0 < switch < len(tokens) == 300, "the request must have run before and after the update"
+    sampled = torch.tensor(logprobs)
+    before = trainer_logprobs(model_dir, None, prompt, tokens)
+    after = trainer_logprobs(model_dir, updated, prompt, tokens)
+    assert (sampled[:switch] - before[:switch]).abs().max().item() < 1e-3
+    assert (sampled[switch:] - after[switch:]).abs().max().item() < 1e-3, "tokens after the update use the sent weights"
+    assert (sampled[switch:] - before[switch:]).abs().max().item() > 0.05, "the sent weights really differ"
