@@ -195,11 +195,8 @@ def _advance(
             del barrier.members[name]
             decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
     while True:
-        if broken := _broken_transfer(barrier):
-            if not _handle_stragglers(decision, broken, now, on_timeout):
-                return
-            continue
         errors = _collect_acks(decision, seen)
+        errors.update(_broken_transfer(barrier))
         pending = [name for name in barrier.members if name not in barrier.acked]
         if errors or (pending and now >= parse_rfc3339(barrier.deadline)):
             stragglers = {name: errors.get(name, f"did not ack {barrier.phase.value} in time") for name in pending}

@@ -31,6 +31,7 @@ def run(
     committed: Weights | None = None,
     announced: Weights | None = V1,
     loaded: int | None = None,
+    sender: str | None = None,
 ) -> Decision:
     return step(
         job_uid="job",
@@ -42,6 +43,8 @@ def run(
         now=NOW + dt.timedelta(seconds=seconds),
         timeout_seconds=30,
         on_timeout=on_timeout,
+        sender=sender,
+        ranks_per_member=2,
     )
 
 
@@ -133,3 +136,59 @@ def test_a_replaced_member_leaves_and_a_lagging_pod_catches_up() -> None:
     catch_up = run(None, {"late": None}, committed=V2, announced=V2, loaded=1)
     assert catch_up.barrier is not None and catch_up.barrier.version == 2
     assert list(catch_up.barrier.members) == ["late"]
+
+
+def test_a_collective_barrier_ranks_the_sender_first_and_the_receivers_by_name_in_the_update_phase() -> None:
+    pods = {"trainer": None, "b": None, "a": None}
+    assert run(None, {"a": None, "b": None}, sender="trainer").barrier is None, "no sender, no barrier"
+    barrier = run(None, pods, sender="trainer").barrier
+    assert barrier is not None and set(barrier.members) == {"trainer", "a", "b"}
+    assert all(c.group is None for c in run(barrier.model_copy(deep=True), pods, sender="trainer").commands.values())
+    update = run(barrier, {n: ack(barrier, "Paused") for n in pods}, sender="trainer")
+    groups = {name: command.group for name, command in update.commands.items()}
+    assert {name: (g.rank_offset, g.world_size) for name, g in groups.items() if g} == {
+        "trainer": (0, 5),
+        "a": (1, 5),
+        "b": (3, 5),
+    }, "each actor holds ranks_per_member ranks (its vLLM workers)"
+    assert update.barrier is not None
+    resume = run(update.barrier, {n: ack(barrier, "Updated", loaded_version=1) for n in pods}, sender="trainer")
+    assert all(c.group is None for c in resume.commands.values()), "the group exists only in the Update phase"
+
+
+def test_a_lost_sender_makes_every_waiting_receiver_a_straggler() -> None:
+    pods: dict[str, str | None] = {"trainer": None, "a": None, "b": None}
+    barrier = run(None, pods, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER).barrier
+    assert barrier is not None
+    update = run(barrier, {n: ack(barrier, "Paused") for n in pods}, sender="trainer").barrier
+    assert update is not None
+    acks = {"a": ack(barrier, "Updated", loaded_version=1), "b": None}  # the trainer pod is gone
+    evicted = run(update.model_copy(deep=True), acks, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER)
+    assert evicted.evict == ["b"], "a has its weights; b never will"
+    assert evicted.barrier is not None and evicted.barrier.phase is BarrierPhase.RESUME
+    failed = run(update, acks, sender="trainer")
+    assert failed.failed is not None
+    assert "b cannot receive weights version 1: trainer left the weight transfer group" in failed.failed
+
+
+def test_a_catch_up_barrier_joins_the_lagging_pod_and_the_sender() -> None:
+    barrier = run(None, {"trainer": None, "a": None}, sender="trainer", committed=V1, announced=V1, loaded=1).barrier
+    assert barrier is None, "nobody lags: no catch-up barrier"
+    late = [
+        Member("trainer", "uid-trainer", True, 1, None),
+        Member("a", "uid-a", True, 1, None),
+        Member("new", "uid-new", True, None, None),
+    ]
+    opened = step(
+        job_uid="job",
+        barrier=None,
+        committed=V1,
+        announced=V1,
+        members=late,
+        history=[],
+        now=NOW,
+        timeout_seconds=30,
+        on_timeout=TimeoutAction.FAIL_JOB,
+        sender="trainer",
+    ).barrier
+    assert opened is not None and set(opened.members) == {"trainer", "new"}, "a catch-up barrier for the new pod"

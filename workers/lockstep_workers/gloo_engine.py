@@ -15,6 +15,7 @@ from lockstep_workers.transfer import gloo_group
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     gloo: Any = None
     """The gloo process group of the current barrier."""
+
     def init_transfer_engine(self, init_info: Any) -> None:
         """Join the trainer's group at this worker's rank: vLLM's numbering, after ``rank_offset``."""
         parallel = self.parallel_config

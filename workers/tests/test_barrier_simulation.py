@@ -35,6 +35,7 @@ class FakeEngine:
     """Records what the agent asked of it; can be told to fail the next load."""
 
     calls: list[str] = field(default_factory=list)
+    groups: list[TransferGroup | None] = field(default_factory=list)
     fail_next_load: bool = False
 
     def pause(self) -> None:
@@ -45,6 +46,7 @@ class FakeEngine:
             self.fail_next_load = False
             raise OSError(f"digest mismatch for {target.uri}")
         self.calls.append(f"load {target.version}")
+        self.groups.append(group)
 
     def resume(self) -> None:
         self.calls.append("resume")
@@ -62,9 +64,14 @@ class Pod:
     silent: bool = False
 
 
+SENDER = "trainer-0"
+
+
 @dataclass
 class World:
     on_timeout: TimeoutAction
+    collective: bool = False
+    """The trainer sends the weights (a barrier member); new pods cannot load the committed weights alone."""
     now: dt.datetime = START
     pods: dict[str, Pod] = field(default_factory=dict)
     status: dict[str, Any] = field(default_factory=dict)
@@ -79,7 +86,7 @@ class World:
     def add_pod(self, name: str) -> None:
         engine = FakeEngine()
         agent = AgentCore(engine)
-        committed = self.committed()
+        committed = None if self.collective else self.committed()
         agent.start(committed)
         self.pods[name] = Pod(name, f"uid-{next(self.uids)}", agent, engine, committed.version if committed else None)
 
@@ -111,6 +118,8 @@ class World:
             now=self.now,
             timeout_seconds=TIMEOUT,
             on_timeout=self.on_timeout,
+            sender=SENDER if self.collective else None,
+            ranks_per_member=2,
         )
         self.status = {
             "barrier": decision.barrier.model_dump(mode="json") if decision.barrier else None,
@@ -142,16 +151,20 @@ actions = st.one_of(
     actors=st.integers(1, 4),
     script=st.lists(actions, max_size=60),
     on_timeout=st.sampled_from(list(TimeoutAction)),
+    collective=st.booleans(),
 )
 def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
-    actors: int, script: list[tuple[Any, ...]], on_timeout: TimeoutAction
+    actors: int, script: list[tuple[Any, ...]], on_timeout: TimeoutAction, collective: bool
 ) -> None:
-    world = World(on_timeout)
-    for index in range(actors):
-        world.add_pod(f"actor-{index}")
+    """Filesystem or collective transport: whatever the pods (the sending trainer too) do, in any order,
+    the barrier ends with every pod resumed on the newest weights, or with the job failed."""
+    world = World(on_timeout, collective)
+    names = [f"actor-{index}" for index in range(actors)] + ([SENDER] if collective else [])
+    for name in names:
+        world.add_pod(name)
     version = 0
     for action, *args in script:
-        pod = world.pods.get(f"actor-{args[0] % actors}") if args and action != "tick" else None
+        pod = world.pods.get(names[args[0] % len(names)]) if args and action != "tick" else None
         if action == "announce":
             version += 1
             world.announced = weights(version)
@@ -161,7 +174,7 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
             world.now += dt.timedelta(seconds=args[0])
         elif pod is None:
             if action == "replace":  # a deleted pod comes back (the operator recreates it)
-                world.add_pod(f"actor-{args[0] % actors}")
+                world.add_pod(names[args[0] % len(names)])
         elif action in ("deliver", "redeliver"):
             world.deliver(pod)
         elif action == "stale":
@@ -179,9 +192,9 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
             pod.silent = True
 
     # Drain: pods come back, the silent ones stay silent; time passes; everyone answers.
-    for index in range(actors):
-        if f"actor-{index}" not in world.pods:
-            world.add_pod(f"actor-{index}")
+    for name in names:
+        if name not in world.pods:
+            world.add_pod(name)
     for _ in range(60):
         world.operate()
         for pod in list(world.pods.values()):
@@ -197,9 +210,14 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
     assert (committed.version if committed else None) == newest
     for pod in world.pods.values():
         assert not pod.agent.paused, f"{pod.name} was left paused"
+        assert_ordered(pod)
+        if pod.name == SENDER:
+            assert all(group.rank_offset == 0 for group in pod.engine.groups if group is not None)
+            continue
         loaded = pod.agent.loaded.version if pod.agent.loaded else None
         assert loaded == newest, f"{pod.name} serves version {loaded}, not {newest}"
-        assert_ordered(pod)
+        if collective:
+            assert all(g is not None and g.rank_offset > 0 for g in pod.engine.groups), "received only from the sender"
 
 
 def assert_ordered(pod: Pod) -> None:

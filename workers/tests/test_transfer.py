@@ -74,6 +74,7 @@ def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_pa
 )
 def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend: WeightSyncBackend) -> None:
     import torch
+    from test_actor import trainer_logprobs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep.api import VllmSettings
@@ -83,8 +84,6 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
     from lockstep_workers.tiny_model import create_tiny_llama
     from lockstep_workers.transfer import ManifestServer, manifest_of, manifest_uri, send
     from lockstep_workers.weights import version_path
-
-    from test_actor import trainer_logprobs
 
     model_dir = create_tiny_llama(tmp_path / "model")
     updated, published = updated_model(model_dir, tmp_path / "weights")
