@@ -141,7 +141,8 @@ class JobPods:
     Every half second: a pod that has no process yet (new, or recreated by the operator under the same
     name) gets one; a process that exited sets its pod's phase; the process of a deleted pod is stopped.
     Each actor keeps its local port across restarts, so the trainer's actor URLs stay valid; trainer
-    ranks created together (the same restart count) share a fresh rendezvous port.
+    ranks created together (the same restart count) share a fresh rendezvous port; trainer rank 0 keeps
+    its ports for the collective weight transports.
     """
 
     def __init__(
@@ -158,6 +159,8 @@ class JobPods:
         self.exited: set[str] = set()
         self.retired: list[Component] = []
         self.rendezvous: dict[int, int] = {}
+        self.weights = {"LOCKSTEP_WEIGHTS_PORT": str(free_port()), "LOCKSTEP_WEIGHTS_GROUP_PORT": str(free_port())}
+        """trainer rank 0's ports for the collective weight transports"""
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pod-runner", daemon=True)
 
@@ -200,6 +203,7 @@ class JobPods:
             port = self.rendezvous.setdefault(job.get("status", {}).get("restarts", 0), free_port())
             metrics = self.metrics.get(name, ":0").rsplit(":", 1)[1]
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCKSTEP_METRICS_PORT": metrics}
+            env |= {"LOCKSTEP_WEIGHTS_HOST": "127.0.0.1", **self.weights}
             overrides = {"env": {**env, "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values())}}
         log = self.logs / f"{name}.log"
         self.running[name] = (uid, run_pod(self.cluster, self.api, self.namespace, name, log, **overrides))

@@ -94,8 +94,12 @@ def run_tiny_rl_job(
     manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers, **spec)
     (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     job = create_job(kube, namespace, manifest)
-    metrics = shared / job["metadata"]["uid"] / "metrics.jsonl"
     logs = workdir / "pods"
+    # On the shared volume; with a collective backend and no volume, in trainer rank 0's emptyDir.
+    metrics = [
+        shared / job["metadata"]["uid"] / "metrics.jsonl",
+        logs / f"{name}-trainer-0-volumes" / "lockstep-shared" / job["metadata"]["uid"] / "metrics.jsonl",
+    ]
     logs.mkdir(parents=True, exist_ok=True)
     if spec.get("preflight", {}).get("enabled"):
         checker = f"{name}-preflight-0"
@@ -146,10 +150,12 @@ def run_tiny_rl_job(
     return RunResult(job, _records(metrics), updates, scraped, time.monotonic() - started)
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _records(candidates: list[Path]) -> list[dict[str, Any]]:
+    """The trainer's metrics.jsonl records, from the first of ``candidates`` that exists."""
+    for path in candidates:
+        if path.exists():
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return []
 
 
 PLOTTED = (

@@ -82,6 +82,34 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
     assert used <= exported, f"the dashboard uses metrics nobody exports: {sorted(used - exported)}"
 
 
+def test_the_trainer_sends_the_weights_over_gloo_without_a_shared_volume(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """weightSync.backend gloo: trainer rank 0 is a member of every barrier and sends each version into the
+    actors' vLLM workers; nothing is shared but the network."""
+    steps = 8
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=steps, actors=2, trainers=1, weightSync={"backend": "gloo"}
+    )
+    status = result.job["status"]
+    assert status["phase"] == "Succeeded", status
+    assert status["weightsVersion"] == steps
+    assert all(b["outcome"] == "Completed" and b["members"] == 3 for b in status["barrierHistory"]), (
+        "every barrier had the two actors and the sending trainer"
+    )
+    assert not (tmp_path / "shared").exists(), "no shared volume"
+    for pod, updates in result.updates.items():
+        assert [u["version"] for u in updates] == list(range(1, steps + 1)), f"{pod} missed or repeated a version"
+    for version in range(1, steps + 1):
+        moments = [u for us in result.updates.values() for u in us if u["version"] == version]
+        assert max(u["loadedAt"] for u in moments) <= min(u["resumedAt"] for u in moments)
+    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
+    worst = max(r["onpolicy_mean_abs_logprob_diff"] for r in measured)
+    rewards = [r["reward"] for r in result.steps]
+    print(f"gloo: worst on-policy mismatch {worst:.2e}; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
+    assert worst <= MismatchBudget().mean_abs_logprob_diff, "the actors sample with exactly the weights sent"
+
+
 @pytest.fixture
 def budget_policy(kube: client.ApiClient, namespace: str) -> Iterator[Callable[[float, str], str]]:
     """``budget_policy(meanAbsLogprobDiff, onExceeded)``: the default policy's locks with that mismatch budget."""

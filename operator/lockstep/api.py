@@ -294,9 +294,6 @@ class TrainerSpec(PodOverrides, Training):
 
 
 class WeightSyncBackend(StrEnum):
-    """How weights reach the actors: files on a shared volume, or sent by the trainer in a process group
-    (NCCL between GPUs, gloo over TCP between CPUs; see lockstep_workers.transfer)."""
-
     FILESYSTEM = "filesystem"
     NCCL = "nccl"
     GLOO = "gloo"
@@ -327,14 +324,19 @@ class WeightSync(Model):
 
     backend: WeightSyncBackend = Field(
         WeightSyncBackend.FILESYSTEM,
+        description="How weights reach the actors. filesystem: the trainer writes safetensors files on "
+        "spec.weightSync.volume and the actors read them. nccl (GPUs) or gloo (CPUs, over TCP): trainer rank 0 sends "
+        "them into the actors' vLLM workers through vLLM's weight-transfer engine, in a process group formed for "
+        "each weight update.",
         json_schema_extra=immutable("spec.weightSync.backend", "the actors and trainer were started for it"),
     )
     volume: dict[str, Any] | None = Field(
         None,
-        description="A Kubernetes volume source (without a name), mounted in every pod of the job: the trainer "
-        "writes weights and metrics.jsonl under <mount>/<job uid>/. Required with backend filesystem; with nccl or "
-        "gloo it is optional and keeps the trainer's checkpoints across trainer restarts (without it they live in an "
-        "emptyDir, and a trainer that lost its pod after weights were committed cannot resume).",
+        description="A Kubernetes volume source (without a name), mounted in the job's pods (with nccl or gloo, in "
+        "the trainer's only): the trainer writes weights and metrics.jsonl under <mount>/<job uid>/. Required with "
+        "backend filesystem; with nccl or gloo it is optional and keeps the trainer's checkpoints across trainer "
+        "restarts (without it they live in an emptyDir, and a trainer that lost its pod after weights were "
+        "committed cannot resume).",
         json_schema_extra=OPAQUE_OBJECT,
     )
     barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600

@@ -18,6 +18,10 @@ from lockstep.parity import EffectiveConfig, vllm_cli_args
 ACTOR_PORT = 8000
 TRAINER_PORT = 29500
 TRAINER_METRICS_PORT = 9400
+WEIGHTS_PORT = 9500
+"""Collective backends: trainer rank 0 serves each version's manifest here (lockstep_workers.transfer)."""
+WEIGHTS_GROUP_PORT = 9501
+"""Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0."""
 CONFIG_MOUNT = "/etc/lockstep"
 CONFIG_FILE = "effective-config.json"
 SHARED_MOUNT = "/var/lib/lockstep"
@@ -197,23 +201,35 @@ def actor_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int)
 def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int) -> dict[str, Any]:
     settings = spec.trainer.training().model_dump_json(by_alias=True)
     master = f"{pod_name(job.name, keys.TRAINER, 0)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
+    ports = [
+        {"name": "rendezvous", "containerPort": TRAINER_PORT},
+        {"name": "metrics", "containerPort": TRAINER_METRICS_PORT},
+    ]
+    env = [
+        {"name": "LOCKSTEP_METRICS_PORT", "value": str(TRAINER_METRICS_PORT if rank == 0 else 0)},
+        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_PORT", "value": str(TRAINER_PORT)},
+        {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
+        {"name": "RANK", "value": str(rank)},
+        {"name": "LOCKSTEP_ACTORS_URL", "value": f"http://{actor_service_name(job.name)}:{ACTOR_PORT}"},
+    ]
+    if spec.weight_sync.backend.collective:  # rank 0 sends the weights: the actors reach it here
+        ports += [
+            {"name": "weights", "containerPort": WEIGHTS_PORT},
+            {"name": "weights-group", "containerPort": WEIGHTS_GROUP_PORT},
+        ]
+        env += [
+            {"name": "LOCKSTEP_WEIGHTS_HOST", "value": master},
+            {"name": "LOCKSTEP_WEIGHTS_PORT", "value": str(WEIGHTS_PORT)},
+            {"name": "LOCKSTEP_WEIGHTS_GROUP_PORT", "value": str(WEIGHTS_GROUP_PORT)},
+        ]
     container = {
         "name": keys.TRAINER,
         "image": spec.trainer.image,
         "command": ["python", "-m", "lockstep_workers.trainer"],
         "args": [f"--model={spec.model.uri}", f"--settings={settings}"],
-        "ports": [
-            {"name": "rendezvous", "containerPort": TRAINER_PORT},
-            {"name": "metrics", "containerPort": TRAINER_METRICS_PORT},
-        ],
-        "env": [
-            {"name": "LOCKSTEP_METRICS_PORT", "value": str(TRAINER_METRICS_PORT if rank == 0 else 0)},
-            {"name": "MASTER_ADDR", "value": master},
-            {"name": "MASTER_PORT", "value": str(TRAINER_PORT)},
-            {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
-            {"name": "RANK", "value": str(rank)},
-            {"name": "LOCKSTEP_ACTORS_URL", "value": f"http://{actor_service_name(job.name)}:{ACTOR_PORT}"},
-        ],
+        "ports": ports,
+        "env": env,
     }
     hostname = pod_name(job.name, keys.TRAINER, rank)
     return _pod(job, spec, spec.trainer, config, keys.TRAINER, rank, container, hostname=hostname)
@@ -235,15 +251,17 @@ def _pod(
         {"name": "LOCKSTEP_JOB", "value": job.name},
         {"name": "LOCKSTEP_ROLE", "value": role},
         {"name": "LOCKSTEP_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
+        {"name": "LOCKSTEP_WEIGHT_SYNC", "value": spec.weight_sync.backend.value},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     mounts = [{"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}}]
-    if spec.weight_sync.volume is not None:
+    shared = _shared_volume(spec, role)
+    if shared is not None:
         # The trainer writes weights here; the other pods only read them.
         mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role != keys.TRAINER})
-        volumes.append({"name": "lockstep-shared", **spec.weight_sync.volume})
+        volumes.append({"name": "lockstep-shared", **shared})
         env.append({"name": "LOCKSTEP_SHARED_DIR", "value": f"{SHARED_MOUNT}/{job.uid}"})
     container = {
         **container,
@@ -271,6 +289,17 @@ def _pod(
     metadata["labels"][keys.INDEX] = str(index)
     metadata["annotations"] = {keys.CONFIG_FINGERPRINT: config.fingerprint, keys.TEMPLATE_HASH: _hash(pod_spec)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _shared_volume(spec: RLJobSpec, role: str) -> dict[str, Any] | None:
+    """The volume source of the shared weights directory for a pod of ``role``, if it has one: every pod with
+    the filesystem backend; with a collective one only the trainer, which keeps its checkpoints and metrics
+    there (an emptyDir when spec.weightSync.volume is unset)."""
+    if not spec.weight_sync.backend.collective:
+        return spec.weight_sync.volume
+    if role != keys.TRAINER:
+        return None
+    return spec.weight_sync.volume or {"emptyDir": {}}
 
 
 def _hash(document: dict[str, Any]) -> str:

@@ -329,13 +329,16 @@ def announce(trainer: dict[str, Any], version: int) -> None:
     )
 
 
-def carry_barrier(body: dict[str, Any], pods: list[dict[str, Any]], version: int) -> tuple[dict[str, Any], dt.datetime]:
-    """Let the two actors ack every phase of the barrier to ``version``; the job as of then, and the time."""
+def carry_barrier(
+    body: dict[str, Any], pods: list[dict[str, Any]], version: int, members: int = 2
+) -> tuple[dict[str, Any], dt.datetime]:
+    """Let the first ``members`` pods (the two actors; and the trainer with a collective backend) ack every
+    phase of the barrier to ``version``; the job as of then, and the time."""
     now = NOW
     for expected_phase, ack_phase in (("Pause", "Paused"), ("Update", "Updated"), ("Resume", "Resumed")):
         plan = plan_for(body, pods, now=now)
-        assert set(plan.annotate_pods) == {"demo-actor-0", "demo-actor-1"}, "commands go to the actors only"
-        for pod in pods[:2]:
+        assert set(plan.annotate_pods) == {p["metadata"]["name"] for p in pods[:members]}, "commands go to members"
+        for pod in pods[:members]:
             command = json.loads(plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER])
             assert command["phase"] == expected_phase and command["version"] == version
             pod["metadata"]["annotations"][keys.BARRIER] = plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER]
@@ -359,6 +362,33 @@ def test_announced_weights_run_a_barrier_to_the_new_version() -> None:
     grown = plan_for({**body, "spec": {**body["spec"], "actors": {"image": "lockstep/actor:dev", "replicas": 3}}}, pods)
     created = grown.create_pods[0]["metadata"]["annotations"][keys.INITIAL_WEIGHTS]
     assert json.loads(created)["version"] == 3, "a new pod starts from the committed weights"
+
+
+def test_with_a_collective_backend_the_trainer_sends_and_new_actors_wait_for_a_catch_up_barrier() -> None:
+    body, pods = settle(job(weightSync={"backend": "gloo"}))
+    trainer = pods[2]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["LOCKSTEP_WEIGHT_SYNC"] == "gloo" and env["LOCKSTEP_WEIGHTS_HOST"] == env["MASTER_ADDR"]
+    assert {p["name"] for p in trainer["ports"]} >= {"weights", "weights-group"}
+    assert {"emptyDir": {}} in [{k: v for k, v in vol.items() if k != "name"} for vol in pods[2]["spec"]["volumes"]]
+    assert "LOCKSTEP_SHARED_DIR" not in {e["name"] for e in pods[0]["spec"]["containers"][0]["env"]}, (
+        "actors mount no weights volume: the trainer sends"
+    )
+    announce(pods[2], 3)
+    plan = plan_for(body, pods)
+    assert set(plan.annotate_pods) == {"demo-actor-0", "demo-actor-1", "demo-trainer-0"}
+    body, now = carry_barrier(body, pods, 3, members=3)
+    done = plan_for(body, pods, now=now)
+    assert done.status.weights_version == 3 and done.status.barrier is None
+
+    body = {**body, "status": status_of(done)}
+    grown_spec = {**body["spec"], "actors": {"image": "lockstep/actor:dev", "replicas": 3}}
+    new_pod = running(plan_for({**body, "spec": grown_spec}, pods).create_pods[0])
+    catch_up = plan_for({**body, "spec": grown_spec}, [*pods, new_pod], now=now)
+    assert catch_up.status.barrier is not None and catch_up.status.barrier.version == 3
+    assert set(catch_up.annotate_pods) == {"demo-actor-2", "demo-trainer-0"}, (
+        "a new actor cannot load the committed weights alone: the trainer sends them in a catch-up barrier"
+    )
 
 
 def test_stalled_and_reconciling_follow_ready_for_kstatus() -> None:

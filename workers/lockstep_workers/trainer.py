@@ -7,7 +7,9 @@ training fields, rendered by the operator). Each step rank 0 samples rollouts fr
 rank whole prompt groups; the ranks average their gradients (torch.distributed: gloo on CPU, NCCL on
 GPU, from $RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT); rank 0 then publishes the weights under
 $LOCKSTEP_SHARED_DIR/weights, announces them on its own pod (the operator runs the barrier), appends
-the step's metrics to $LOCKSTEP_SHARED_DIR/metrics.jsonl and serves them to Prometheus. Rollouts of
+the step's metrics to $LOCKSTEP_SHARED_DIR/metrics.jsonl and serves them to Prometheus. With a
+collective backend ($LOCKSTEP_WEIGHT_SYNC nccl or gloo) rank 0 also serves each version's manifest and
+sends the weights itself, as a member of each barrier (lockstep_workers.transfer). Rollouts of
 the next step are sampled while the actors take the update in flight; each token carries the version
 it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
 """
@@ -20,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +36,20 @@ import torch.nn.functional as F
 from prometheus_client import Gauge, start_http_server
 
 from lockstep import keys
-from lockstep.api import DType, Mismatch, MismatchBudget, Objective, TrainerParity, Training, Weights
+from lockstep.api import (
+    DType,
+    Mismatch,
+    MismatchBudget,
+    Objective,
+    TrainerParity,
+    Training,
+    Weights,
+    WeightSyncBackend,
+)
 from lockstep.barrier import document
 from lockstep_workers.objective import Batch, policy_loss
-from lockstep_workers.weights import publish, tensors, verified_path
+from lockstep_workers.transfer import ManifestServer, Sender, manifest_uri
+from lockstep_workers.weights import publish, tensors, verified_path, version_path
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -258,11 +271,27 @@ class PodEnvironment:
     world_size: int
     actors: list[str]
     shared_dir: Path | None
-    """The job's directory on the shared volume (spec.weightSync.volume); None without one."""
+    """The job's directory for weights and metrics (on spec.weightSync.volume, or an emptyDir)."""
     config: dict[str, Any]
     pod: str | None
     namespace: str | None
     metrics_port: int
+    weight_sync: WeightSyncBackend = WeightSyncBackend.FILESYSTEM
+    weights_host: str = "127.0.0.1"
+    """Collective backends: the name the actors reach this pod by."""
+    weights_port: int = 0
+    """Collective backends: where the manifests are served."""
+    weights_group_port: int = 0
+    """Collective backends: the rendezvous of each barrier's transfer group."""
+
+    @property
+    def weights_dir(self) -> Path:
+        assert self.shared_dir is not None
+        return self.shared_dir / "weights"
+
+    @property
+    def rendezvous(self) -> str:
+        return f"{self.weights_host}:{self.weights_group_port}"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> PodEnvironment:
@@ -276,6 +305,10 @@ class PodEnvironment:
             pod=environ.get("POD_NAME"),
             namespace=environ.get("POD_NAMESPACE"),
             metrics_port=int(environ.get("LOCKSTEP_METRICS_PORT", "0")),
+            weight_sync=WeightSyncBackend(environ.get("LOCKSTEP_WEIGHT_SYNC", WeightSyncBackend.FILESYSTEM)),
+            weights_host=environ.get("LOCKSTEP_WEIGHTS_HOST", "127.0.0.1"),
+            weights_port=int(environ.get("LOCKSTEP_WEIGHTS_PORT", "0")),
+            weights_group_port=int(environ.get("LOCKSTEP_WEIGHTS_GROUP_PORT", "0")),
         )
 
 
@@ -345,15 +378,23 @@ def announce(weights: Weights, mismatch: Mismatch, namespace: str, pod: str) -> 
     pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
 
 
-def resume(model: torch.nn.Module, committed: Weights | None) -> int:
-    """Load ``committed`` (the weights the job had committed when this pod was created) into ``model``: a
-    restarted trainer goes on from them rather than from the base model, with a fresh optimiser state.
-    The first step to run."""
+def resume(model: torch.nn.Module, committed: Weights | None, directory: Path) -> int:
+    """Load ``committed`` (the weights the job had committed when this pod was created) into ``model`` from
+    the version published in ``directory``: a restarted trainer goes on from them rather than from the base
+    model, with a fresh optimiser state. The first step to run."""
     if committed is None:
         return 1
-    unexpected = model.load_state_dict(dict(tensors(verified_path(committed))), strict=False).unexpected_keys
+    path = version_path(directory, committed.version)
+    if not path.exists():
+        raise SystemExit(
+            f"cannot resume: the committed weights version {committed.version} are not in {directory}. With "
+            "spec.weightSync.backend nccl or gloo, set spec.weightSync.volume so that a restarted trainer finds "
+            "its checkpoints"
+        )
+    local = committed.model_copy(update={"uri": path.resolve().as_uri()})
+    unexpected = model.load_state_dict(dict(tensors(verified_path(local))), strict=False).unexpected_keys
     if unexpected:
-        raise ValueError(f"the committed weights {committed.uri} do not fit this model: {unexpected[:5]}")
+        raise ValueError(f"the committed weights {path} do not fit this model: {unexpected[:5]}")
     logger.info("resuming from the committed weights, version %d", committed.version)
     return committed.version + 1
 
@@ -381,8 +422,8 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
 
     if env.shared_dir is None:
         raise SystemExit(
-            "LOCKSTEP_SHARED_DIR is not set: this pod has no shared weights volume. These workers implement the "
-            "filesystem transport only; set spec.weightSync.backend: filesystem and spec.weightSync.volume"
+            "LOCKSTEP_SHARED_DIR is not set: the operator sets it to the directory for the job's weights and "
+            "metrics; run the trainer as the operator renders it"
         )
     leader = env.rank == 0
     distributed = env.world_size > 1
@@ -392,7 +433,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
         )
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    first_step = resume(model, _committed(env)) if leader else 1
+    first_step = resume(model, _committed(env), env.weights_dir) if leader else 1
     if distributed:
         first_step = _from_rank0(model, first_step)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.objective.learning_rate)
@@ -409,6 +450,8 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
             raise SystemExit("LOCKSTEP_ACTORS_URL is empty: the trainer has no actors to sample from")
         if env.metrics_port:
             start_http_server(env.metrics_port)
+        if env.weight_sync.collective:
+            _start_sending(env)
         wait_for_actors(env.actors)
     for step in range(first_step, settings.steps + 1):
         started = time.monotonic()
@@ -445,7 +488,9 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
         if not leader:
             continue
         metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
-        weights = publish(model.state_dict(), env.shared_dir / "weights", version=step)
+        weights = publish(model.state_dict(), env.weights_dir, version=step)
+        if env.weight_sync.collective:
+            weights = weights.model_copy(update={"uri": manifest_uri(env.weights_host, env.weights_port, step)})
         if env.pod and env.namespace:
             mismatch = Mismatch(
                 step=step,
@@ -478,8 +523,23 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
             record["seconds"],
             step,
         )
+    if leader and env.weight_sync.collective:
+        logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
+        wait_for_version(env.actors[0], settings.steps)
     if distributed:
         dist.destroy_process_group()
+
+
+def _start_sending(env: PodEnvironment) -> None:
+    """Collective backends, rank 0: serve the manifests, and send each version as a member of its barrier
+    (the agent acts on the commands the operator writes on this pod)."""
+    from lockstep_workers.agent import AgentCore, PodAgent, pod_api
+
+    ManifestServer(env.weights_dir, env.weights_port, env.rendezvous)
+    if env.pod and env.namespace:
+        sender = AgentCore(Sender(env.weights_dir, env.rendezvous, env.weight_sync))
+        agent = PodAgent(sender, pod_api(), env.namespace, env.pod)
+        threading.Thread(target=agent.run, args=(threading.Event(),), name="barrier-agent", daemon=True).start()
 
 
 def main() -> None:

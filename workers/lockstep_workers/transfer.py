@@ -157,6 +157,32 @@ def send(path: Path, manifest: Manifest, group: TransferGroup, backend: WeightSy
         process_group.broadcast(tensor.contiguous(), 0).wait()
 
 
+class Sender:
+    """The barrier Engine of trainer rank 0 with a collective backend: in the Update phase it sends the
+    version from its own files to the group; pausing and resuming are the actors' part."""
+
+    def __init__(self, directory: Path, rendezvous: str, backend: WeightSyncBackend) -> None:
+        self.directory = directory
+        self.rendezvous = rendezvous
+        self.backend = backend
+
+    def pause(self) -> None:
+        pass
+
+    def load(self, weights: Weights, group: TransferGroup | None) -> None:
+        if group is None:
+            return  # every member already has these weights
+        path = version_path(self.directory, weights.version)
+        manifest = manifest_of(path, weights.version, self.rendezvous)
+        if manifest.digest != weights.digest:
+            raise ValueError(f"{path} is not weights version {weights.version} as announced ({weights.digest})")
+        logger.info("sending weights version %d to %d rank(s)", weights.version, group.world_size - 1)
+        send(path, manifest, group, self.backend)
+
+    def resume(self) -> None:
+        pass
+
+
 def gloo_group(host: str, port: int, rank: int, world_size: int) -> Any:
     """A gloo process group of its own (not torch.distributed's default group, which the trainer's ranks use)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group

@@ -113,10 +113,13 @@ def test_a_restarted_trainer_resumes_from_the_committed_weights(tmp_path: Path) 
             parameter.add_(0.1)
     committed = publish(trained.state_dict(), tmp_path / "weights", version=7)
     fresh = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    assert resume(fresh, None) == 1
-    assert resume(fresh, committed) == 8
+    assert resume(fresh, None, tmp_path / "weights") == 1
+    announced = committed.model_copy(update={"uri": "http://trainer:9500/weights/7"})  # a collective backend's
+    assert resume(fresh, announced, tmp_path / "weights") == 8, "the trainer resumes from its own files"
     expected = trained.state_dict()
     assert all(torch.equal(tensor, expected[name]) for name, tensor in fresh.state_dict().items())
+    with pytest.raises(SystemExit, match=r"set spec\.weightSync\.volume so that a restarted trainer finds"):
+        resume(fresh, committed, tmp_path / "lost-with-its-pod")
 
 
 def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
