@@ -27,8 +27,10 @@ def rljob(
 ) -> dict[str, Any]:
     """A valid RLJob manifest; ``vllm`` sets spec.actors.vllm, ``trainer`` further spec.trainer fields,
     ``actor_env`` spec.actors.env, other keyword arguments top-level spec fields (``weightSync`` fields are
-    added to the default shared volume)."""
-    weight_sync = {"volume": SHARED_VOLUME, **spec.pop("weightSync", {})}
+    added to the default shared volume, which a collective backend goes without)."""
+    weight_sync = spec.pop("weightSync", {})
+    if weight_sync.get("backend", "filesystem") == "filesystem":
+        weight_sync = {"volume": SHARED_VOLUME, **weight_sync}
     actor = {"image": "lockstep/actor:dev", "replicas": actors, "vllm": vllm or {}}
     if actor_env:
         actor["env"] = actor_env

@@ -182,6 +182,8 @@ class JobPods:
             code = component.process.poll() if component.process else None
             if code is not None and uid not in self.exited:
                 self.exited.add(uid)
+                with component.log_path.open("a") as log:
+                    log.write(f"[pod runner] the container exited with code {code}\n")
                 if not gone:
                     report_exit(self.api, self.namespace, name, code)
             if gone:

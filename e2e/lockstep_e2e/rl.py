@@ -33,14 +33,14 @@ def tiny_rl_job(
     name: str, model: Path, shared: Path, *, steps: int, actors: int, trainers: int, **spec: Any
 ) -> dict[str, Any]:
     """An RLJob that teaches the tiny random Llama at ``model`` the demo task, on the CPU; ``spec`` adds
-    top-level spec fields."""
+    or replaces top-level spec fields (by default weights go through files on ``shared``)."""
+    spec.setdefault("weightSync", {"volume": {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}})
     return rljob(
         name,
         actors=actors,
         trainers=trainers,
         vllm={"dtype": "float32", "enforceEager": True, "maxModelLen": 256, "gpuMemoryUtilization": 0.2},
         model={"uri": str(model), "dtype": "float32"},
-        weightSync={"volume": {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}},
         trainer={
             "steps": steps,
             "maxLag": 1,

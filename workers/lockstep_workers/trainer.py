@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib
 import json
 import logging
@@ -445,13 +446,14 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
     rollout = settings.rollout
     sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
     metrics_file = env.shared_dir / "metrics.jsonl"
+    sending: Sending | None = None
     if leader:
         if not env.actors:
             raise SystemExit("LOCKSTEP_ACTORS_URL is empty: the trainer has no actors to sample from")
         if env.metrics_port:
             start_http_server(env.metrics_port)
         if env.weight_sync.collective:
-            _start_sending(env)
+            sending = Sending(env)
         wait_for_actors(env.actors)
     for step in range(first_step, settings.steps + 1):
         started = time.monotonic()
@@ -523,23 +525,41 @@ def train(model_path: str, settings: Training, env: PodEnvironment) -> None:
             record["seconds"],
             step,
         )
-    if leader and env.weight_sync.collective:
+    if sending is not None:
         logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
         wait_for_version(env.actors[0], settings.steps)
+        sending.close()
     if distributed:
         dist.destroy_process_group()
 
 
-def _start_sending(env: PodEnvironment) -> None:
+class Sending:
     """Collective backends, rank 0: serve the manifests, and send each version as a member of its barrier
-    (the agent acts on the commands the operator writes on this pod)."""
-    from lockstep_workers.agent import AgentCore, PodAgent, pod_api
+    (an agent thread acts on the commands the operator writes on this pod) until ``close``."""
 
-    ManifestServer(env.weights_dir, env.weights_port, env.rendezvous)
-    if env.pod and env.namespace:
-        sender = AgentCore(Sender(env.weights_dir, env.rendezvous, env.weight_sync))
-        agent = PodAgent(sender, pod_api(), env.namespace, env.pod)
-        threading.Thread(target=agent.run, args=(threading.Event(),), name="barrier-agent", daemon=True).start()
+    AGENT_WATCH_SECONDS = 5
+    """How long the agent's watch runs before it checks whether to stop (so ``close`` returns soon)."""
+
+    def __init__(self, env: PodEnvironment) -> None:
+        from lockstep_workers.agent import AgentCore, PodAgent, pod_api
+
+        self.server = ManifestServer(env.weights_dir, env.weights_port, env.rendezvous)
+        self.stop = threading.Event()
+        self.agent: threading.Thread | None = None
+        if env.pod and env.namespace:
+            sender = AgentCore(Sender(env.weights_dir, env.rendezvous, env.weight_sync))
+            agent = PodAgent(sender, pod_api(), env.namespace, env.pod)
+            self.agent = threading.Thread(
+                target=agent.run, args=(self.stop, self.AGENT_WATCH_SECONDS), name="barrier-agent", daemon=True
+            )
+            self.agent.start()
+
+    def close(self) -> None:
+        """Stop the agent between two API calls (never in the middle of one) and the manifest server."""
+        self.stop.set()
+        if self.agent is not None:
+            self.agent.join(timeout=3 * self.AGENT_WATCH_SECONDS)
+        self.server.close()
 
 
 def main() -> None:
@@ -547,6 +567,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="path of the base model")
     parser.add_argument("--settings", required=True, help="the RLJob's training settings, as JSON")
     options = parser.parse_args()
+    faulthandler.enable()  # a crash in native code (torch, gloo, NCCL) leaves its stack in the pod log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     train(options.model, Training.model_validate_json(options.settings), PodEnvironment.from_environ(os.environ))
 

@@ -17,6 +17,7 @@ its digest is the announced one, and receives through vLLM's weight-transfer API
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import re
@@ -62,21 +63,37 @@ class Manifest(Model):
         return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
 
 
+@functools.lru_cache(maxsize=8)
 def manifest_of(path: Path, version: int, rendezvous: str) -> Manifest:
-    """The manifest of a published weights file, read from its header (no tensor is loaded)."""
+    """The manifest of a published weights file, from its header and its digest (computed once: a published
+    version is never rewritten)."""
     names, dtypes, shapes = [], [], []
     with safe_open(str(path), "pt") as checkpoint:
         for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
             tensor = checkpoint.get_slice(name)
+            if tensor.get_dtype() not in _TORCH_DTYPES:
+                raise ValueError(f"{path}: tensor {name} has dtype {tensor.get_dtype()}, which cannot be sent")
             names.append(name)
-            dtypes.append(str(_TORCH_DTYPES[tensor.get_dtype()]).removeprefix("torch."))
+            dtypes.append(_TORCH_DTYPES[tensor.get_dtype()])
             shapes.append(list(tensor.get_shape()))
     return Manifest(
         version=version, digest=digest_of(path), rendezvous=rendezvous, names=names, dtype_names=dtypes, shapes=shapes
     )
 
 
-_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_TORCH_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+"""safetensors' dtype names → torch's."""
 
 
 def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,6 +131,10 @@ class ManifestServer:
 
         self.server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
         threading.Thread(target=self.server.serve_forever, name="manifest-server", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def manifest_uri(host: str, port: int, version: int) -> str:

@@ -16,10 +16,11 @@ from lockstep.api import TransferGroup, Weights, WeightSyncBackend
 TEMPERATURE = 0.7
 
 
-def _cuda_vllm() -> bool:
+def _nccl_ready() -> bool:
+    """Two CUDA GPUs (NCCL gives each rank its own: the trainer's and the actor's) and a CUDA build of vLLM."""
     import torch
 
-    return torch.cuda.is_available() and "cpu" not in __import__("vllm").__version__
+    return torch.cuda.device_count() >= 2 and "cpu" not in __import__("vllm").__version__
 
 
 def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Weights]:
@@ -67,7 +68,8 @@ def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_pa
         pytest.param(
             WeightSyncBackend.NCCL,
             marks=pytest.mark.skipif(
-                not _cuda_vllm(), reason="NCCL needs a CUDA GPU and a CUDA build of vLLM; this machine has neither"
+                not _nccl_ready(),
+                reason="NCCL needs two CUDA GPUs (one for the trainer, one for the actor) and a CUDA build of vLLM",
             ),
         ),
     ],
@@ -109,6 +111,8 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
 
     def trainer() -> None:
         path = version_path(tmp_path / "weights", 1)
+        if backend is WeightSyncBackend.NCCL:
+            torch.cuda.set_device(1)  # vLLM's worker holds GPU 0
         try:
             send(path, manifest_of(path, 1, rendezvous), TransferGroup(rank_offset=0, world_size=2), backend)
             sent.append(None)
