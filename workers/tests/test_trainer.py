@@ -80,12 +80,12 @@ def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_ver
     assert metrics["lag"] == 1
 
 
-def test_the_trainer_refuses_to_run_without_a_shared_volume(tmp_path: Path) -> None:
+def test_the_trainer_refuses_to_run_without_its_weights_directory(tmp_path: Path) -> None:
     from lockstep.api import Training
     from lockstep_workers.trainer import PodEnvironment, train
 
     env = PodEnvironment(0, 1, ["http://actors:8000"], None, {}, None, None, 0)
-    with pytest.raises(SystemExit, match=r"spec\.weightSync\.volume"):
+    with pytest.raises(SystemExit, match=r"LOCKSTEP_SHARED_DIR is not set: the operator sets it"):
         train(str(tmp_path), Training(reward="lockstep_workers.rewards:target_words"), env)
 
 
