@@ -121,7 +121,8 @@ def step(
 
     ``sender`` names the member that sends the weights (the trainer, with a collective backend; None when the
     actors read files). It joins every barrier as rank 0 of the transfer group; the members that need the
-    weights get ``ranks_per_member`` ranks each (their vLLM workers) when the Update phase begins.
+    weights get ``ranks_per_member`` ranks each (their vLLM workers) when the Update phase begins. A sender
+    replaced during the Pause phase, before it sent anything, is waited for and its replacement takes its place.
     """
     decision = Decision(barrier=barrier, committed=committed)
     if decision.barrier is None:
@@ -134,7 +135,8 @@ def step(
         )
     _advance(decision, members, now, timeout_seconds, on_timeout, ranks_per_member)
     if decision.barrier is not None:
-        decision.commands = {name: decision.barrier.command(name) for name in decision.barrier.members}
+        alive = {m.name for m in members if m.alive}
+        decision.commands = {name: decision.barrier.command(name) for name in decision.barrier.members if name in alive}
     return decision
 
 
@@ -188,12 +190,20 @@ def _advance(
 ) -> None:
     barrier = decision.barrier
     assert barrier is not None
-    seen = {m.name: m for m in members}
+    seen = {m.name: m for m in members if m.alive}
     for name, uid in list(barrier.members.items()):
         member = seen.get(name)
-        if member is None or not member.alive or member.uid != uid:
-            del barrier.members[name]
-            decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
+        if member is not None and member.uid == uid:
+            continue
+        if barrier.phase is BarrierPhase.PAUSE and name in barrier.transfer_ranks:
+            # The sender, before it sent anything: the barrier waits for its replacement (or its deadline).
+            if member is not None:
+                barrier.members[name] = member.uid
+                barrier.acked = [acked for acked in barrier.acked if acked != name]
+                decision.notes.append(f"{name} was replaced; the new pod sends the weights of barrier {barrier.id}")
+            continue
+        del barrier.members[name]
+        decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
     while True:
         errors = _collect_acks(decision, seen)
         errors.update(_broken_transfer(barrier))
@@ -230,6 +240,8 @@ def _collect_acks(decision: Decision, seen: dict[str, Member]) -> dict[str, str]
     assert barrier is not None
     errors: dict[str, str] = {}
     for name in barrier.members:
+        if name not in seen:
+            continue  # a sender being replaced
         ack = parse_ack(seen[name].ack)
         if isinstance(ack, str):
             if barrier.reported.get(name) != ack:

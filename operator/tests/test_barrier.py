@@ -192,3 +192,33 @@ def test_a_catch_up_barrier_joins_the_lagging_pod_and_the_sender() -> None:
         sender="trainer",
     ).barrier
     assert opened is not None and set(opened.members) == {"trainer", "new"}, "a catch-up barrier for the new pod"
+
+
+def test_a_sender_replaced_before_it_sent_anything_is_waited_for_and_its_replacement_sends() -> None:
+    pods: dict[str, str | None] = {"trainer": None, "a": None}
+    barrier = run(None, pods, sender="trainer").barrier
+    assert barrier is not None
+    waiting = run(barrier.model_copy(deep=True), {"a": ack(barrier, "Paused")}, sender="trainer")
+    assert waiting.failed is None and not waiting.evict and list(waiting.commands) == ["a"]
+    assert waiting.barrier is not None and waiting.barrier.phase is BarrierPhase.PAUSE
+    replaced = [
+        Member("trainer", "uid-new", True, None, None),
+        Member("a", "uid-a", True, None, ack(barrier, "Paused")),
+    ]
+    adopted = step(
+        job_uid="job",
+        barrier=waiting.barrier,
+        committed=None,
+        announced=V1,
+        members=replaced,
+        history=[],
+        now=NOW,
+        timeout_seconds=30,
+        on_timeout=TimeoutAction.FAIL_JOB,
+        sender="trainer",
+    )
+    assert adopted.barrier is not None and adopted.barrier.members["trainer"] == "uid-new"
+    assert adopted.commands["trainer"].phase is BarrierPhase.PAUSE, "the new sender is asked to pause first"
+    assert any("the new pod sends the weights" in note for note in adopted.notes)
+    late = run(waiting.barrier, {"a": ack(barrier, "Paused")}, sender="trainer", seconds=31)
+    assert late.failed is not None and "trainer did not ack Pause in time" in late.failed

@@ -128,8 +128,8 @@ class World:
         }
         for name, command in decision.commands.items():
             self.pods[name].command = json.dumps(command.model_dump(mode="json"))
-        for name in decision.evict:  # the operator deletes stragglers; their replacements start fresh
-            del self.pods[name]
+        for name in decision.evict:  # the operator deletes stragglers (gone already: fine); replacements start fresh
+            self.pods.pop(name, None)
             self.add_pod(name)
         if decision.failed:
             self.failed = decision.failed
