@@ -110,6 +110,44 @@ def test_the_trainer_sends_the_weights_over_gloo_without_a_shared_volume(
     assert worst <= MismatchBudget().mean_abs_logprob_diff, "the actors sample with exactly the weights sent"
 
 
+def test_over_gloo_a_restarted_trainer_goes_on_sending_from_its_volume(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """The sender dies between weight updates (or while one is pausing): its replacement resumes from the
+    newest version on spec.weightSync.volume and sends every later version."""
+    killed: dict[str, int] = {}
+
+    def watch(job: dict[str, Any], pods: JobPods) -> None:
+        status = job["status"]
+        barrier = status.get("barrier")
+        between = barrier is None or barrier["phase"] == "Pause"
+        if (status.get("weightsVersion") or 0) >= 3 and between and not killed:
+            killed["at"] = status["weightsVersion"]
+            pods.kill("tiny-trainer-0")
+
+    volume = {"hostPath": {"path": str(tmp_path / "shared"), "type": "DirectoryOrCreate"}}
+    result = run_tiny_rl_job(
+        cluster,
+        kube,
+        namespace,
+        tmp_path,
+        steps=8,
+        actors=1,
+        trainers=1,
+        watch=watch,
+        weightSync={"backend": "gloo", "volume": volume},
+    )
+    status = result.job["status"]
+    assert status["phase"] == "Succeeded" and status["weightsVersion"] == 8, status.get("conditions")
+    assert status["restarts"] == 1 and killed["at"] >= 3
+    versions = [u["version"] for u in result.updates["tiny-actor-0"]]
+    assert versions == sorted(set(versions)) and versions[-1] == 8, f"the actor loaded {versions}"
+    resumed = re.findall(r"resuming from weights version (\d+)", (tmp_path / "pods" / "tiny-trainer-0.log").read_text())
+    assert len(resumed) == 1 and int(resumed[0]) >= killed["at"], resumed
+    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
+    assert max(r["onpolicy_mean_abs_logprob_diff"] for r in measured) <= MismatchBudget().mean_abs_logprob_diff
+
+
 @pytest.fixture
 def budget_policy(kube: client.ApiClient, namespace: str) -> Iterator[Callable[[float, str], str]]:
     """``budget_policy(meanAbsLogprobDiff, onExceeded)``: the default policy's locks with that mismatch budget."""
@@ -198,7 +236,7 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_committed_weights(
     assert status["phase"] == "Succeeded" and status["weightsVersion"] == 10, status
     assert status["restarts"] == 1
     log = (tmp_path / "pods" / "tiny-trainer-0.log").read_text()
-    resumed = [int(v) for v in re.findall(r"resuming from the committed weights, version (\d+)", log)]
+    resumed = [int(v) for v in re.findall(r"resuming from weights version (\d+)", log)]
     assert len(resumed) == 1 and resumed[0] >= killed["at"], f"rank 0 resumed from {resumed}, killed at {killed}"
     steps = [r["step"] for r in result.steps]
     assert steps[resumed[0] - 10 :] == list(range(resumed[0] + 1, 11)), f"the restarted ranks ran on: {steps}"

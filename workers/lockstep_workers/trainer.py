@@ -50,7 +50,7 @@ from lockstep.api import (
 from lockstep.barrier import document
 from lockstep_workers.objective import Batch, policy_loss
 from lockstep_workers.transfer import ManifestServer, Sender, manifest_uri
-from lockstep_workers.weights import publish, tensors, verified_path, version_path
+from lockstep_workers.weights import newest_version, publish, tensors, verified_path, version_path
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -380,24 +380,28 @@ def announce(weights: Weights, mismatch: Mismatch, namespace: str, pod: str) -> 
 
 
 def resume(model: torch.nn.Module, committed: Weights | None, directory: Path) -> int:
-    """Load ``committed`` (the weights the job had committed when this pod was created) into ``model`` from
-    the version published in ``directory``: a restarted trainer goes on from them rather than from the base
-    model, with a fresh optimiser state. The first step to run."""
-    if committed is None:
-        return 1
-    path = version_path(directory, committed.version)
-    if not path.exists():
+    """Load the newest weights this job's trainer published in ``directory`` into ``model`` and return the
+    first step to run: a restarted trainer goes on from them, with a fresh optimiser state, rather than from
+    the base model. That is the job's committed version (``committed``, checked against its digest), or one
+    announced after it whose update may still be in flight; numbering on from it keeps each version number
+    naming one set of weights. With nothing published and nothing committed, step 1 from the base model."""
+    newest = newest_version(directory)
+    if newest is None or (committed is not None and newest < committed.version):
+        if committed is None:
+            return 1
         raise SystemExit(
             f"cannot resume: the committed weights version {committed.version} are not in {directory}. With "
             "spec.weightSync.backend nccl or gloo, set spec.weightSync.volume so that a restarted trainer finds "
             "its checkpoints"
         )
-    local = committed.model_copy(update={"uri": path.resolve().as_uri()})
-    unexpected = model.load_state_dict(dict(tensors(verified_path(local))), strict=False).unexpected_keys
+    path = version_path(directory, newest)
+    if committed is not None and newest == committed.version:
+        verified_path(committed.model_copy(update={"uri": path.resolve().as_uri()}))
+    unexpected = model.load_state_dict(dict(tensors(path)), strict=False).unexpected_keys
     if unexpected:
-        raise ValueError(f"the committed weights {path} do not fit this model: {unexpected[:5]}")
-    logger.info("resuming from the committed weights, version %d", committed.version)
-    return committed.version + 1
+        raise ValueError(f"the published weights {path} do not fit this model: {unexpected[:5]}")
+    logger.info("resuming from weights version %d (committed: %s)", newest, committed.version if committed else "none")
+    return newest + 1
 
 
 def _committed(env: PodEnvironment) -> Weights | None:

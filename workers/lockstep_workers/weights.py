@@ -49,6 +49,12 @@ def version_path(directory: Path, version: int) -> Path:
     return directory / f"v{version:06d}.safetensors"
 
 
+def newest_version(directory: Path) -> int | None:
+    """The newest version published in ``directory``, if any."""
+    versions = [int(path.stem.removeprefix("v")) for path in directory.glob("v*.safetensors")]
+    return max(versions, default=None)
+
+
 def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each storage once, under the first name that uses it (tied embeddings are written as Hugging Face
     checkpoints write them: the lm_head falls away)."""

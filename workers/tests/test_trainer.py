@@ -113,13 +113,21 @@ def test_a_restarted_trainer_resumes_from_the_committed_weights(tmp_path: Path) 
             parameter.add_(0.1)
     committed = publish(trained.state_dict(), tmp_path / "weights", version=7)
     fresh = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    assert resume(fresh, None, tmp_path / "weights") == 1
+    assert resume(fresh, None, tmp_path / "nothing-published") == 1
     announced = committed.model_copy(update={"uri": "http://trainer:9500/weights/7"})  # a collective backend's
     assert resume(fresh, announced, tmp_path / "weights") == 8, "the trainer resumes from its own files"
     expected = trained.state_dict()
     assert all(torch.equal(tensor, expected[name]) for name, tensor in fresh.state_dict().items())
     with pytest.raises(SystemExit, match=r"set spec\.weightSync\.volume so that a restarted trainer finds"):
         resume(fresh, committed, tmp_path / "lost-with-its-pod")
+
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.1)
+    publish(trained.state_dict(), tmp_path / "weights", version=8)  # announced; its update may be in flight
+    assert resume(fresh, committed, tmp_path / "weights") == 9, "version 8 keeps naming the weights announced as 8"
+    expected = trained.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in fresh.state_dict().items())
 
 
 def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
