@@ -79,9 +79,17 @@ def test_validate_says_what_the_api_server_says(
         assert line in applied.stderr, f"{line!r} is not what the API server said:\n{applied.stderr}"
 
 
-def test_validate_accepts_the_sample_and_render_prints_the_locked_arguments() -> None:
-    sample = Path(__file__).resolve().parents[2] / "examples" / "rljob-tiny.yaml"
-    assert lockstep_cli("validate", str(sample)).returncode == 0
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
+def test_validate_accepts_every_example(example: Path) -> None:
+    validated = lockstep_cli("validate", str(example))
+    assert validated.returncode == 0, validated.stderr
+
+
+def test_render_prints_the_locked_arguments() -> None:
+    sample = EXAMPLES / "rljob-tiny.yaml"
     rendered = lockstep_cli("render", str(sample)).stdout.splitlines()
     assert rendered[0].startswith("# ParityPolicy 'default'; fingerprint sha256:")
     assert "--logprobs-mode=processed_logprobs" in rendered[1].split()

@@ -32,6 +32,9 @@ from lockstep.times import parse_rfc3339, rfc3339
 
 DocumentT = TypeVar("DocumentT", Weights, Command, Ack, Mismatch, PreflightResult)
 HISTORY_LENGTH = 10
+TRANSFER_ATTEMPTS = 3
+"""Collective backends: attempts at one barrier's transfer, each in a new group, before the members still
+waiting for the weights are stragglers."""
 ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
 NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
 
@@ -122,7 +125,8 @@ def step(
     ``sender`` names the member that sends the weights (the trainer, with a collective backend; None when the
     actors read files). It joins every barrier as rank 0 of the transfer group; the members that need the
     weights get ``ranks_per_member`` ranks each (their vLLM workers) when the Update phase begins. A sender
-    replaced during the Pause phase, before it sent anything, is waited for and its replacement takes its place.
+    replaced during the Pause phase, before it sent anything, is waited for and its replacement takes its place;
+    a transfer that breaks (a member of its group left or reported an error) is retried as a new attempt.
     """
     decision = Decision(barrier=barrier, committed=committed)
     if decision.barrier is None:
@@ -206,7 +210,11 @@ def _advance(
         decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
     while True:
         errors = _collect_acks(decision, seen)
-        errors.update(_broken_transfer(barrier))
+        if (failure := _transfer_failure(barrier, errors)) is not None:
+            if _attempt(barrier) < TRANSFER_ATTEMPTS:
+                _retry(decision, now, timeout_seconds, failure)
+                return
+            errors.update(_waiting_for_weights(barrier, failure))
         pending = [name for name in barrier.members if name not in barrier.acked]
         if errors or (pending and now >= parse_rfc3339(barrier.deadline)):
             stragglers = {name: errors.get(name, f"did not ack {barrier.phase.value} in time") for name in pending}
@@ -220,17 +228,54 @@ def _advance(
             return
 
 
-def _broken_transfer(barrier: BarrierStatus) -> dict[str, str]:
-    """Collective backends: once a member of the transfer group (the sender from the start, the receivers
-    from the Update phase on) has left before the transfer was done, the members still waiting for the
-    weights can never receive them; they are stragglers. The group is then dissolved."""
-    if barrier.phase is BarrierPhase.RESUME:
-        return {}
+def _transfer_failure(barrier: BarrierStatus, errors: dict[str, str]) -> str | None:
+    """Collective backends, before the weights are in place: why this attempt's transfer cannot complete (a
+    member of its group left it or reported an error), or None. The group is the sender from the start, and
+    the receivers from the Update phase on."""
+    if barrier.phase is BarrierPhase.RESUME or not barrier.transfer_ranks:
+        return None
     lost = sorted(name for name in barrier.transfer_ranks if name not in barrier.members)
-    if not lost:
-        return {}
-    barrier.transfer_ranks = {}
-    why = f"cannot receive weights version {barrier.version}: {', '.join(lost)} left the weight transfer group"
+    failed = sorted(name for name in barrier.transfer_ranks if name in errors)
+    reasons = [f"{', '.join(lost)} left the weight transfer group"] if lost else []
+    reasons += [f"{name} {errors[name]}" for name in failed]
+    return "; ".join(reasons) or None
+
+
+def _attempt(barrier: BarrierStatus) -> int:
+    return int(barrier.id.rsplit("/", 1)[1])
+
+
+def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure: str) -> None:
+    """Record this attempt as failed and open the next one with the same members, still paused; its Update
+    phase forms a new group. A sender that left is waited for, and its replacement sends."""
+    old = decision.barrier
+    assert old is not None
+    [sender] = [name for name, rank in old.transfer_ranks.items() if rank == 0]
+    decision.record = _record(old, BarrierOutcome.FAILED, now)
+    stamp = rfc3339(now, milliseconds=True)
+    decision.barrier = BarrierStatus(
+        id=f"{old.id.rsplit('/', 1)[0]}/{_attempt(old) + 1}",
+        version=old.version,
+        uri=old.uri,
+        digest=old.digest,
+        phase=BarrierPhase.PAUSE,
+        members={**old.members, sender: old.members.get(sender, "")},
+        transfer_ranks={sender: 0},
+        started_at=stamp,
+        phase_started_at=stamp,
+        deadline=rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True),
+        evicted=old.evicted,
+    )
+    decision.notes.append(
+        f"the transfer of weights version {old.version} failed in barrier {old.id} ({failure}); retrying as "
+        f"barrier {decision.barrier.id} with a new transfer group"
+    )
+
+
+def _waiting_for_weights(barrier: BarrierStatus, failure: str) -> dict[str, str]:
+    """The members that can no longer receive the weights, once the transfer attempts are spent."""
+    barrier.transfer_ranks, barrier.transfer_world_size = {}, None
+    why = f"cannot receive weights version {barrier.version} after {TRANSFER_ATTEMPTS} attempts: {failure}"
     return {name: why for name in barrier.members if name not in barrier.acked or barrier.phase is BarrierPhase.PAUSE}
 
 

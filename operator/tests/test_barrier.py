@@ -24,7 +24,7 @@ def members(acks: dict[str, str | None], loaded: int | None = None) -> list[Memb
 
 def run(
     barrier: BarrierStatus | None,
-    acks: dict[str, str | None],
+    acks: dict[str, str | None] | list[Member],
     *,
     seconds: float = 0,
     on_timeout: TimeoutAction = TimeoutAction.FAIL_JOB,
@@ -38,7 +38,7 @@ def run(
         barrier=barrier,
         committed=committed,
         announced=announced,
-        members=members(acks, loaded),
+        members=acks if isinstance(acks, list) else members(acks, loaded),
         history=[],
         now=NOW + dt.timedelta(seconds=seconds),
         timeout_seconds=30,
@@ -121,17 +121,7 @@ def test_a_replaced_member_leaves_and_a_lagging_pod_catches_up() -> None:
     barrier = run(None, {"a": None, "b": None}).barrier
     assert barrier is not None
     replaced = [Member("a", "uid-a", True, None, ack(barrier, "Paused")), Member("b", "uid-new", True, None, None)]
-    decision = step(
-        job_uid="job",
-        barrier=barrier,
-        committed=None,
-        announced=V1,
-        members=replaced,
-        history=[],
-        now=NOW,
-        timeout_seconds=30,
-        on_timeout=TimeoutAction.FAIL_JOB,
-    )
+    decision = run(barrier, replaced)
     assert decision.barrier is not None and list(decision.barrier.members) == ["a"]
     catch_up = run(None, {"late": None}, committed=V2, announced=V2, loaded=1)
     assert catch_up.barrier is not None and catch_up.barrier.version == 2
@@ -156,19 +146,38 @@ def test_a_collective_barrier_ranks_the_sender_first_and_the_receivers_by_name_i
     assert all(c.group is None for c in resume.commands.values()), "the group exists only in the Update phase"
 
 
-def test_a_lost_sender_makes_every_waiting_receiver_a_straggler() -> None:
+def test_a_broken_transfer_is_retried_in_a_new_group_then_its_receivers_are_stragglers() -> None:
     pods: dict[str, str | None] = {"trainer": None, "a": None, "b": None}
-    barrier = run(None, pods, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER).barrier
+    barrier = run(None, pods, sender="trainer").barrier
     assert barrier is not None
     update = run(barrier, {n: ack(barrier, "Paused") for n in pods}, sender="trainer").barrier
-    assert update is not None
-    acks = {"a": ack(barrier, "Updated", loaded_version=1), "b": None}  # the trainer pod is gone
-    evicted = run(update.model_copy(deep=True), acks, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER)
+    assert update is not None and update.transfer_ranks == {"trainer": 0, "a": 1, "b": 3}
+    a_has_it = Member("a", "uid-a", True, 1, ack(barrier, "Updated", loaded_version=1))
+    retried = run(update.model_copy(deep=True), [a_has_it, Member("b", "uid-b", True, None, None)], sender="trainer")
+    assert retried.failed is None and not retried.evict, "the trainer pod is gone: retry, do not give up"
+    assert retried.record is not None and retried.record.outcome == "Failed"
+    again = retried.barrier
+    assert again is not None and again.id == "job/1/2" and again.phase is BarrierPhase.PAUSE
+    assert set(again.members) == {"trainer", "a", "b"} and set(retried.commands) == {"a", "b"}
+    assert any("retrying as barrier job/1/2 with a new transfer group" in note for note in retried.notes)
+
+    new_trainer = Member("trainer", "uid-t2", True, None, ack(again, "Paused"))
+    paused = [new_trainer, Member("a", "uid-a", True, 1, ack(again, "Paused"))]
+    paused.append(Member("b", "uid-b", True, None, ack(again, "Paused")))
+    regrouped = run(again, paused, sender="trainer").barrier
+    assert regrouped is not None and regrouped.phase is BarrierPhase.UPDATE
+    assert regrouped.transfer_ranks == {"trainer": 0, "b": 1}, "a already holds version 1: no rank for it"
+
+    last = regrouped.model_copy(update={"id": "job/1/3"}, deep=True)
+    updated = Member("a", "uid-a", True, 1, ack(last, "Updated", loaded_version=1))
+    waiting = [updated, Member("b", "uid-b", True, None, None)]  # the trainer is gone once more
+    evicted = run(last.model_copy(deep=True), waiting, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER)
     assert evicted.evict == ["b"], "a has its weights; b never will"
-    assert evicted.barrier is not None and evicted.barrier.phase is BarrierPhase.RESUME
-    failed = run(update, acks, sender="trainer")
+    failed = run(last, waiting, sender="trainer")
     assert failed.failed is not None
-    assert "b cannot receive weights version 1: trainer left the weight transfer group" in failed.failed
+    assert (
+        "b cannot receive weights version 1 after 3 attempts: trainer left the weight transfer group" in failed.failed
+    )
 
 
 def test_a_catch_up_barrier_joins_the_lagging_pod_and_the_sender() -> None:
@@ -179,18 +188,7 @@ def test_a_catch_up_barrier_joins_the_lagging_pod_and_the_sender() -> None:
         Member("a", "uid-a", True, 1, None),
         Member("new", "uid-new", True, None, None),
     ]
-    opened = step(
-        job_uid="job",
-        barrier=None,
-        committed=V1,
-        announced=V1,
-        members=late,
-        history=[],
-        now=NOW,
-        timeout_seconds=30,
-        on_timeout=TimeoutAction.FAIL_JOB,
-        sender="trainer",
-    ).barrier
+    opened = run(None, late, committed=V1, announced=V1, sender="trainer").barrier
     assert opened is not None and set(opened.members) == {"trainer", "new"}, "a catch-up barrier for the new pod"
 
 
@@ -205,18 +203,7 @@ def test_a_sender_replaced_before_it_sent_anything_is_waited_for_and_its_replace
         Member("trainer", "uid-new", True, None, None),
         Member("a", "uid-a", True, None, ack(barrier, "Paused")),
     ]
-    adopted = step(
-        job_uid="job",
-        barrier=waiting.barrier,
-        committed=None,
-        announced=V1,
-        members=replaced,
-        history=[],
-        now=NOW,
-        timeout_seconds=30,
-        on_timeout=TimeoutAction.FAIL_JOB,
-        sender="trainer",
-    )
+    adopted = run(waiting.barrier, replaced, sender="trainer")
     assert adopted.barrier is not None and adopted.barrier.members["trainer"] == "uid-new"
     assert adopted.commands["trainer"].phase is BarrierPhase.PAUSE, "the new sender is asked to pause first"
     assert any("the new pod sends the weights" in note for note in adopted.notes)

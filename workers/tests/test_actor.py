@@ -35,30 +35,34 @@ def trainer_logprobs(model_dir: Path, state: dict[str, Any] | None, prompt: list
     return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
+PROMPT = [1, 10, 11, 12, 13]
+LONG_REQUEST = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True, "seed": 3}
+"""A request long enough to span a weight update."""
+
+
+def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Any]:
+    """The tiny model with a perturbed lm_head, and those weights published as version 1."""
     import torch
     from safetensors.torch import load_file
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep.api import VllmSettings
-    from lockstep.parity import default_policy
-    from lockstep_workers.actor import Actor, engine_args
-    from lockstep_workers.tiny_model import create_tiny_llama
-    from lockstep_workers.weights import DigestMismatch, publish
+    from lockstep_workers.weights import publish
 
-    model_dir = create_tiny_llama(tmp_path / "model")
-    base = load_file(str(model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(7)
     updated = {
         name: t + 0.5 * torch.randn(t.shape, generator=generator) if "lm_head" in name else t
-        for name, t in base.items()
+        for name, t in load_file(str(model_dir / "model.safetensors")).items()
     }
-    weights = publish(updated, tmp_path / "weights", version=1)
+    return updated, publish(updated, directory, version=1)
 
-    locked = default_policy().spec.vllm.model_dump()
-    settings = VllmSettings(
+
+def locked_settings() -> Any:
+    """The default ParityPolicy's locked vLLM settings, for the tiny model in fp32 on this CPU."""
+    from lockstep.api import VllmSettings
+    from lockstep.parity import default_policy
+
+    return VllmSettings(
         **{
-            **locked,
+            **default_policy().spec.vllm.model_dump(),
             "dtype": "float32",
             "enforce_eager": True,
             "max_model_len": 512,
@@ -66,14 +70,42 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
             "seed": 0,
         }
     )
-    prompt = [1, 10, 11, 12, 13]
-    sampling = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True, "seed": 3}
+
+
+def assert_spans_the_update(result: dict[str, Any], model_dir: Path, updated: dict[str, Any]) -> None:
+    """The long request ran before and after the update to version 1, each token's logprob exact under the
+    weights it was sampled with."""
+    import torch
+
+    tokens, logprobs, versions = result["token_ids"], result["logprobs"], result["weights_versions"]
+    assert len(tokens) == 300
+    switch = versions.index(1)
+    assert 0 < switch < 300 and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}, (
+        "the request must have run before and after the update"
+    )
+    before = trainer_logprobs(model_dir, None, PROMPT, tokens)
+    after = trainer_logprobs(model_dir, updated, PROMPT, tokens)
+    sampled = torch.tensor(logprobs)
+    assert (sampled[:switch] - before[:switch]).abs().max().item() < 1e-3
+    assert (sampled[switch:] - after[switch:]).abs().max().item() < 1e-3, "tokens after the update use the new weights"
+    assert (sampled[switch:] - before[switch:]).abs().max().item() > 0.05, "the new weights really differ"
+
+
+def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lockstep_workers.actor import Actor, engine_args
+    from lockstep_workers.tiny_model import create_tiny_llama
+    from lockstep_workers.weights import DigestMismatch
+
+    model_dir = create_tiny_llama(tmp_path / "model")
+    updated, weights = updated_model(model_dir, tmp_path / "weights")
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), settings))
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), locked_settings()))
         actor = Actor(llm)
         try:
-            request = asyncio.create_task(actor.generate(prompt, sampling))
+            request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
             await asyncio.sleep(0.5)
             await actor.pause()
             wrong = weights.model_copy(update={"digest": "sha256:" + "0" * 64})
@@ -90,19 +122,7 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
         finally:
             llm.shutdown()
 
-    result = asyncio.run(scenario())
-    tokens, logprobs, versions = result["token_ids"], result["logprobs"], result["weights_versions"]
-    assert len(tokens) == 300
-    switch = versions.index(1)
-    assert 0 < switch < 300 and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}, (
-        "the request must have run before and after the update"
-    )
-    before = trainer_logprobs(model_dir, None, prompt, tokens)
-    after = trainer_logprobs(model_dir, updated, prompt, tokens)
-    sampled = torch.tensor(logprobs)
-    assert (sampled[:switch] - before[:switch]).abs().max().item() < 1e-3
-    assert (sampled[switch:] - after[switch:]).abs().max().item() < 1e-3, "tokens after the update use the new weights"
-    assert (sampled[switch:] - before[switch:]).abs().max().item() > 0.05, "the new weights really differ"
+    assert_spans_the_update(asyncio.run(scenario()), model_dir, updated)
 
 
 @contextmanager

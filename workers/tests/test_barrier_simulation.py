@@ -210,7 +210,7 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
     assert (committed.version if committed else None) == newest
     for pod in world.pods.values():
         assert not pod.agent.paused, f"{pod.name} was left paused"
-        assert_ordered(pod)
+        assert_ordered(pod, collective)
         if pod.name == SENDER:
             assert all(group.rank_offset == 0 for group in pod.engine.groups if group is not None)
             continue
@@ -220,9 +220,9 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
             assert all(g is not None and g.rank_offset > 0 for g in pod.engine.groups), "received only from the sender"
 
 
-def assert_ordered(pod: Pod) -> None:
-    """Per barrier the engine saw pause, then at most one load, then resume; a load while serving happens only
-    at start, before the pod is ready."""
+def assert_ordered(pod: Pod, collective: bool) -> None:
+    """Per barrier the engine saw pause, then at most one load (with a collective backend, one per attempt at
+    the transfer), then resume; a load while serving happens only at start, before the pod is ready."""
     paused = False
     loads_since_pause = 0
     for position, call in enumerate(pod.engine.calls):
@@ -235,7 +235,7 @@ def assert_ordered(pod: Pod) -> None:
         else:
             assert paused or position == 0, f"{pod.name} loaded while serving: {pod.engine.calls}"
             loads_since_pause += 1
-            assert loads_since_pause <= 1, f"{pod.name} loaded twice in one barrier: {pod.engine.calls}"
+            assert collective or loads_since_pause <= 1, f"{pod.name} loaded twice in one barrier: {pod.engine.calls}"
 
 
 def test_a_redelivered_command_is_acked_again_but_not_repeated() -> None:

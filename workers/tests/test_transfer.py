@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 
-from lockstep.api import TransferGroup, Weights, WeightSyncBackend
-
-TEMPERATURE = 0.7
+from lockstep.api import TransferGroup, WeightSyncBackend
 
 
 def _nccl_ready() -> bool:
@@ -21,21 +19,6 @@ def _nccl_ready() -> bool:
     import torch
 
     return torch.cuda.device_count() >= 2 and "cpu" not in __import__("vllm").__version__
-
-
-def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Weights]:
-    """The tiny model with a perturbed lm_head, published as version 1."""
-    import torch
-    from safetensors.torch import load_file
-
-    from lockstep_workers.weights import publish
-
-    generator = torch.Generator().manual_seed(7)
-    updated = {
-        name: t + 0.5 * torch.randn(t.shape, generator=generator) if "lm_head" in name else t
-        for name, t in load_file(str(model_dir / "model.safetensors")).items()
-    }
-    return updated, publish(updated, directory, version=1)
 
 
 def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_path: Path) -> None:
@@ -76,11 +59,9 @@ def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_pa
 )
 def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend: WeightSyncBackend) -> None:
     import torch
-    from test_actor import trainer_logprobs
+    from test_actor import LONG_REQUEST, PROMPT, assert_spans_the_update, locked_settings, updated_model
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep.api import VllmSettings
-    from lockstep.parity import default_policy
     from lockstep_e2e.cluster import free_port
     from lockstep_workers.actor import Actor, engine_args
     from lockstep_workers.tiny_model import create_tiny_llama
@@ -94,19 +75,6 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
     ManifestServer(tmp_path / "weights", http_port, rendezvous)
     weights = published.model_copy(update={"uri": manifest_uri("127.0.0.1", http_port, 1)})
     group = TransferGroup(rank_offset=1, world_size=2)
-
-    settings = VllmSettings(
-        **{
-            **default_policy().spec.vllm.model_dump(),
-            "dtype": "float32",
-            "enforce_eager": True,
-            "max_model_len": 512,
-            "gpu_memory_utilization": 0.2,
-            "seed": 0,
-        }
-    )
-    prompt = [1, 10, 11, 12, 13]
-    sampling = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": True, "seed": 3}
     sent: list[BaseException | None] = []
 
     def trainer() -> None:
@@ -120,10 +88,10 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
             sent.append(error)
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), settings, backend))
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), locked_settings(), backend))
         actor = Actor(llm, backend=backend)
         try:
-            request = asyncio.create_task(actor.generate(prompt, sampling))
+            request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
             await asyncio.sleep(0.5)
             await actor.pause()
             sender = threading.Thread(target=trainer)
@@ -137,12 +105,4 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
 
     result = asyncio.run(scenario())
     assert sent == [None]
-    tokens, logprobs, versions = result["token_ids"], result["logprobs"], result["weights_versions"]
-    switch = versions.index(1)
-    assert 0 < switch < len(tokens) == 300, "the request must have run before and after the update"
-    sampled = torch.tensor(logprobs)
-    before = trainer_logprobs(model_dir, None, prompt, tokens)
-    after = trainer_logprobs(model_dir, updated, prompt, tokens)
-    assert (sampled[:switch] - before[:switch]).abs().max().item() < 1e-3
-    assert (sampled[switch:] - after[switch:]).abs().max().item() < 1e-3, "tokens after the update use the sent weights"
-    assert (sampled[switch:] - before[switch:]).abs().max().item() > 0.05, "the sent weights really differ"
+    assert_spans_the_update(result, model_dir, updated)
