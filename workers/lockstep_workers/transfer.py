@@ -40,8 +40,11 @@ logger = logging.getLogger("lockstep.transfer")
 GLOO_ENGINE = "lockstep_gloo"
 """The name the gloo engine is registered under in vLLM's WeightTransferEngineFactory."""
 VLLM_ENGINE = {WeightSyncBackend.NCCL: "nccl", WeightSyncBackend.GLOO: GLOO_ENGINE}
-GROUP_TIMEOUT = dt.timedelta(minutes=10)
-"""How long a member waits for the others in the group; the barrier's own deadline usually acts first."""
+GROUP_TIMEOUT = dt.timedelta(seconds=60)
+"""gloo: how long a member waits for the others to join the group, and for each tensor. A sender that dies
+before it opened the rendezvous leaves its receivers waiting this long; then their attempt fails and the
+barrier retries it (vLLM's NCCL rendezvous waits 300 s; a receive that hangs inside NCCL is ended only by
+the barrier's deadline)."""
 
 
 class Manifest(Model):
