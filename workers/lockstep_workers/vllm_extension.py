@@ -10,6 +10,7 @@ weight-transfer engine with vLLM's factory (lockstep_workers.gloo_engine).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from lockstep_workers.transfer import GLOO_ENGINE
 from lockstep_workers.weights import tensors
 
-if GLOO_ENGINE not in WeightTransferEngineFactory._registry:
+with contextlib.suppress(ValueError):  # "already registered": this module was imported before
     WeightTransferEngineFactory.register_engine(GLOO_ENGINE, "lockstep_workers.gloo_engine", "GlooWeightTransferEngine")
 
 
