@@ -34,7 +34,12 @@ from lockstep_e2e.jobs import get_job
 logger = logging.getLogger(__name__)
 
 
-def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], workdir: Path) -> dict[str, Path]:
+def local_volume(logs: Path, pod: str, volume: str) -> Path:
+    """The local directory standing in for a pod's configMap or emptyDir volume (beside the pod's log)."""
+    return logs / f"{pod}-volumes" / volume
+
+
+def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], logs: Path) -> dict[str, Path]:
     """mountPath -> the local directory standing in for it."""
     volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
     mounts = {}
@@ -45,13 +50,13 @@ def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], wor
         if "hostPath" in volume:
             local = Path(volume["hostPath"]["path"])
         elif "configMap" in volume:
-            local = workdir / mount["name"]
+            local = local_volume(logs, pod["metadata"]["name"], mount["name"])
             data = client.CoreV1Api(api).read_namespaced_config_map(volume["configMap"]["name"], namespace).data
             local.mkdir(parents=True, exist_ok=True)
             for key, text in (data or {}).items():
                 (local / key).write_text(text)
         elif "emptyDir" in volume:
-            local = workdir / mount["name"]
+            local = local_volume(logs, pod["metadata"]["name"], mount["name"])
         else:
             raise ValueError(f"the pod runner cannot stand in for volume {volume['name']!r}: {sorted(volume)}")
         local.mkdir(parents=True, exist_ok=True)
@@ -91,7 +96,7 @@ def run_pod(
     """
     body = read_pod(api, namespace, pod)
     container = body["spec"]["containers"][0]
-    mounts = local_mounts(api, namespace, body, log.parent / f"{pod}-volumes")
+    mounts = local_mounts(api, namespace, body, log.parent)
     environment = {}
     for variable in container.get("env", []):
         if "value" in variable:

@@ -22,7 +22,7 @@ from kubernetes import client
 from lockstep import keys
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
-from lockstep_e2e.podrunner import JobPods, run_to_completion, running_pods
+from lockstep_e2e.podrunner import JobPods, local_volume, run_to_completion, running_pods
 from lockstep_e2e.scrape import scrape
 from lockstep_workers.tiny_model import create_tiny_llama
 
@@ -98,7 +98,7 @@ def run_tiny_rl_job(
     # On the shared volume; with a collective backend and no volume, in trainer rank 0's emptyDir.
     metrics = [
         shared / job["metadata"]["uid"] / "metrics.jsonl",
-        logs / f"{name}-trainer-0-volumes" / "lockstep-shared" / job["metadata"]["uid"] / "metrics.jsonl",
+        local_volume(logs, f"{name}-trainer-0", "lockstep-shared") / job["metadata"]["uid"] / "metrics.jsonl",
     ]
     logs.mkdir(parents=True, exist_ok=True)
     if spec.get("preflight", {}).get("enabled"):

@@ -19,12 +19,28 @@ from lockstep.parity import default_policy
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods
 from lockstep_e2e.podrunner import JobPods
-from lockstep_e2e.rl import run_tiny_rl_job
+from lockstep_e2e.rl import RunResult, run_tiny_rl_job
 from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep")]
 
 STEPS = 16
+
+
+def assert_no_actor_resumed_a_version_before_all_loaded_it(result: RunResult) -> None:
+    """For each version every actor loaded, the last load came before the first resume."""
+    for version in set.intersection(*({u["version"] for u in us} for us in result.updates.values())):
+        moments = [u for us in result.updates.values() for u in us if u["version"] == version]
+        assert max(u["loadedAt"] for u in moments) <= min(u["resumedAt"] for u in moments), (
+            f"an actor served version {version} before every actor had loaded it"
+        )
+
+
+def worst_onpolicy_mismatch(result: RunResult) -> float:
+    """The largest per-step mean |Δlogprob| on tokens sampled under the trainer's own weights."""
+    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
+    assert measured, "some steps sampled tokens under the trainer's own weights"
+    return max(r["onpolicy_mean_abs_logprob_diff"] for r in measured)
 
 
 def test_an_rl_job_learns_with_in_flight_weight_updates(
@@ -56,16 +72,10 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
         versions = [u["version"] for u in updates]
         assert versions and versions[-1] == STEPS, f"{pod} ended on version {versions[-1:]}"
         assert versions == sorted(set(versions)), f"{pod} loaded a version twice or out of order: {versions}"
-    for version in set.intersection(*({u["version"] for u in us} for us in result.updates.values())):
-        moments = [u for us in result.updates.values() for u in us if u["version"] == version]
-        assert max(u["loadedAt"] for u in moments) <= min(u["resumedAt"] for u in moments), (
-            f"an actor served version {version} before every actor had loaded it"
-        )
+    assert_no_actor_resumed_a_version_before_all_loaded_it(result)
 
     budget = MismatchBudget().mean_abs_logprob_diff
-    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
-    assert measured, "some steps sampled tokens under the trainer's own weights"
-    worst = max(r["onpolicy_mean_abs_logprob_diff"] for r in measured)
+    worst = worst_onpolicy_mismatch(result)
     print(
         f"on-policy mismatch: worst step {worst:.2e} (budget {budget}); max lag {max(r['lag'] for r in result.steps)}"
     )
@@ -101,11 +111,8 @@ def test_the_trainer_sends_the_weights_over_gloo_without_a_shared_volume(
     assert not (tmp_path / "shared").exists(), "no shared volume"
     for pod, updates in result.updates.items():
         assert [u["version"] for u in updates] == list(range(1, steps + 1)), f"{pod} missed or repeated a version"
-    for version in range(1, steps + 1):
-        moments = [u for us in result.updates.values() for u in us if u["version"] == version]
-        assert max(u["loadedAt"] for u in moments) <= min(u["resumedAt"] for u in moments)
-    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
-    worst = max(r["onpolicy_mean_abs_logprob_diff"] for r in measured)
+    assert_no_actor_resumed_a_version_before_all_loaded_it(result)
+    worst = worst_onpolicy_mismatch(result)
     rewards = [r["reward"] for r in result.steps]
     print(f"gloo: worst on-policy mismatch {worst:.2e}; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
     assert worst <= MismatchBudget().mean_abs_logprob_diff, "the actors sample with exactly the weights sent"
@@ -156,8 +163,7 @@ def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retrie
     retried = [b for b in status["barrierHistory"] if b["outcome"] == "Failed"]
     print(f"killed at v{killed['at']}; resumed from v{resumed}; {len(retried)} transfer(s) retried")
     assert len(resumed) == 1 and int(resumed[0]) >= killed["at"], resumed
-    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
-    assert max(r["onpolicy_mean_abs_logprob_diff"] for r in measured) <= MismatchBudget().mean_abs_logprob_diff
+    assert worst_onpolicy_mismatch(result) <= MismatchBudget().mean_abs_logprob_diff
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ its digest is the announced one, and receives through vLLM's weight-transfer API
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import functools
 import json
@@ -216,8 +217,6 @@ def gloo_group(host: str, port: int, rank: int, world_size: int) -> Any:
 
 async def receive(llm: Any, weights: Weights, group: TransferGroup, backend: WeightSyncBackend) -> None:
     """Receive ``weights`` into every vLLM worker of ``llm`` (an AsyncLLM) and load them in place."""
-    import asyncio
-
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
     manifest = await asyncio.to_thread(fetch_manifest, weights)
