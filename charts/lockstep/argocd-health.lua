@@ -1,7 +1,8 @@
 -- Argo CD health check for lockstep.dev/RLJob.
 -- Install it as resource.customizations.health.lockstep.dev_RLJob in argocd-cm.
 -- It reads what the operator writes: spec.suspend, status.observedGeneration, and the
--- Ready / Stalled conditions (selected by type, never by position).
+-- Ready / Stalled conditions (selected by type, never by position). A job that waits in a Kueue queue is
+-- Suspended, as Argo CD shows a suspended batch Job.
 local hs = {}
 
 local function condition(kind)
@@ -39,6 +40,12 @@ end
 local ready = condition("Ready")
 if ready ~= nil and ready.status == "True" then
   hs.status = "Healthy"
+  hs.message = ready.message
+  return hs
+end
+
+if ready ~= nil and ready.reason == "Queued" then
+  hs.status = "Suspended"
   hs.message = ready.message
   return hs
 end

@@ -1,4 +1,7 @@
-"""Admission-time parity enforcement: a native ValidatingAdmissionPolicy with ParityPolicy as its parameter.
+"""Lockstep's native ValidatingAdmissionPolicies: parity enforcement, one default ParityPolicy, and who may write
+what on Lockstep's pods (the barrier protocol).
+
+Parity enforcement has ParityPolicy as its parameter.
 
 The API server evaluates the policy once per ParityPolicy (the binding selects them all) on every RLJob CREATE,
 and on every UPDATE that changes ``spec``. A ParityPolicy *applies* to a job when all of these hold:
@@ -11,6 +14,10 @@ Then every key the policy locks in ``spec.vllm`` that the job also sets in ``spe
 (maps compare as a whole, like ``lockstep.parity.effective_config``), or the request is refused with reason
 ``Invalid`` and a message naming the key and the locked value. One validation per field of
 ``api.VllmSettings``, generated from the model, so a new field is enforced without editing this file.
+
+Whatever its enforcement, a policy a job names in ``spec.parityPolicy`` must select the job's namespace, or the
+request is refused (reason ``Forbidden``): an administrator scopes which namespaces may use a policy with its
+``spec.namespaceSelector``, so that no job escapes an Enforce default by naming a laxer policy.
 
 The expressions rely on the CRDs' structural defaults (``spec.actors.vllm``, ``spec.vllm``, ``spec.default``
 and ``spec.enforcement`` are always present once the API server has decoded an object).
@@ -26,6 +33,8 @@ from lockstep.crds import structural_schema
 
 NAME = "lockstep-parity-enforce"
 """Name of both the ValidatingAdmissionPolicy and its binding."""
+SINGLE_DEFAULT = "lockstep-single-default-paritypolicy"
+"""Name of both the ValidatingAdmissionPolicy that admits one default ParityPolicy at most, and its binding."""
 
 ADMISSION_API_VERSION = "admissionregistration.k8s.io/v1"
 
@@ -101,44 +110,106 @@ def validation(key: Key) -> dict[str, str]:
     }
 
 
-def policy() -> dict[str, Any]:
-    """The ValidatingAdmissionPolicy (cluster-scoped), with ParityPolicy as its paramKind."""
+def _with_policies(name: str, resource: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A ValidatingAdmissionPolicy on CREATE and UPDATE of lockstep.dev ``resource``, with every ParityPolicy as
+    its parameter (see ``binding``); ``spec`` adds its matchConditions, variables and validations."""
+    rules = [
+        {
+            "apiGroups": [api.GROUP],
+            "apiVersions": [api.VERSION],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": [resource],
+        }
+    ]
     return {
         "apiVersion": ADMISSION_API_VERSION,
         "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": NAME},
+        "metadata": {"name": name},
         "spec": {
             "failurePolicy": "Fail",
             "paramKind": {"apiVersion": api.API_VERSION, "kind": "ParityPolicy"},
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [api.GROUP],
-                        "apiVersions": [api.VERSION],
-                        "operations": ["CREATE", "UPDATE"],
-                        "resources": ["rljobs"],
-                    }
-                ]
-            },
+            "matchConstraints": {"resourceRules": rules},
+            **spec,
+        },
+    }
+
+
+def policy() -> dict[str, Any]:
+    """The ValidatingAdmissionPolicy (cluster-scoped), with ParityPolicy as its paramKind."""
+    return _with_policies(
+        NAME,
+        "rljobs",
+        {
             # An update that leaves the spec alone (finalizers, labels, deletion) is never refused, so a job
             # created before a conflicting policy can still be cleaned up.
             "matchConditions": [
                 {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}
             ],
             "variables": [{"name": name, "expression": expression} for name, expression in _VARIABLES],
-            "validations": [validation(key) for key in vllm_keys()],
+            "validations": [applicable()] + [validation(key) for key in vllm_keys()],
         },
+    )
+
+
+def applicable() -> dict[str, str]:
+    """The check that a policy the job names selects the job's namespace (``parity.select_policy`` agrees)."""
+    selector = "params.spec.namespaceSelector.matchLabels"
+    labels = f"{selector}.map(k, k + '=' + {selector}[k]).join(' ')"
+    namespace = "namespaceObject.metadata.name"
+    return {
+        "expression": "variables.named != params.metadata.name || variables.inNamespace",
+        "messageExpression": (
+            '"spec.parityPolicy: ParityPolicy \'" + params.metadata.name + "\' does not apply to namespace \'" + '
+            f'{namespace} + "\' (its namespaceSelector needs the labels " + {labels} + "); " + '
+            f"\"a cluster administrator may label the namespace (kubectl label namespace \" + {namespace} + ' ' + "
+            f'{labels} + "), or name a policy that selects it"'
+        ),
+        "message": "spec.parityPolicy: the ParityPolicy does not select this namespace; name one that does",
+        "reason": "Forbidden",
     }
 
 
-def binding() -> dict[str, Any]:
-    """The binding: every ParityPolicy is a parameter; none at all means nothing to enforce."""
+def single_default_policy() -> dict[str, Any]:
+    """The ValidatingAdmissionPolicy that refuses to make a ParityPolicy the default while another one is.
+
+    Its parameters are the other ParityPolicies, as the API server's informer sees them: two policies made the
+    default at the same moment can still both pass, and the operator then reports ``AmbiguousDefaultPolicy``.
+    """
+    return _with_policies(
+        SINGLE_DEFAULT,
+        "paritypolicies",
+        {
+            # Only a request that makes a policy the default: one that keeps it so, or unsets it, always passes.
+            "matchConditions": [
+                {
+                    "name": "becomes-default",
+                    "expression": "object.spec.default && (request.operation == 'CREATE' || !oldObject.spec.default)",
+                }
+            ],
+            "validations": [
+                {
+                    "expression": "params.metadata.name == object.metadata.name || !params.spec.default",
+                    "messageExpression": (
+                        '"spec.default: ParityPolicy \'" + params.metadata.name + "\' is already the default, and jobs '
+                        "that name no policy need exactly one; set spec.default: false on this one, or first set it to "
+                        'false on \'" + params.metadata.name + "\'"'
+                    ),
+                    "message": "spec.default: another ParityPolicy is already the default; set spec.default: false",
+                    "reason": "Invalid",
+                }
+            ],
+        },
+    )
+
+
+def binding(name: str) -> dict[str, Any]:
+    """The binding of policy ``name``: every ParityPolicy is a parameter; none at all means nothing to check."""
     return {
         "apiVersion": ADMISSION_API_VERSION,
         "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": NAME},
+        "metadata": {"name": name},
         "spec": {
-            "policyName": NAME,
+            "policyName": name,
             "paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"},
             "validationActions": ["Deny"],
         },
@@ -146,63 +217,138 @@ def binding() -> dict[str, Any]:
 
 
 def manifests() -> list[dict[str, Any]]:
-    """The policy and its binding, in the order to apply them."""
-    return [policy(), binding()]
+    """The ParityPolicy-driven policies and their bindings, in the order to apply them."""
+    return [policy(), binding(NAME), single_default_policy(), binding(SINGLE_DEFAULT)]
 
 
-# -- who may write the barrier annotations (docs/barrier-protocol.md) ---------------------
+# -- who may write what on Lockstep's pods (docs/barrier-protocol.md, "Who may write what") ---------------------
 
 BARRIER_POLICY = "lockstep-barrier-annotations"
-OPERATOR_KEYS = {"barrier": keys.BARRIER, "initialWeights": keys.INITIAL_WEIGHTS}
-"""Annotations only the operator writes, by the CEL variable that says whether a request changes them."""
-POD_KEYS = {
-    "barrierAck": keys.BARRIER_ACK,
-    "weights": keys.WEIGHTS,
-    "mismatch": keys.MISMATCH,
-    "preflight": keys.PREFLIGHT,
-}
-"""Annotations a pod writes on itself only."""
+OPERATOR_KEYS = (keys.BARRIER, keys.INITIAL_WEIGHTS)
+"""Annotations only the operator writes."""
+POD_KEYS = (keys.BARRIER_ACK, keys.WEIGHTS, keys.MISMATCH, keys.EVALUATION, keys.PREFLIGHT)
+"""Annotations a pod writes on itself only: the only changes its own token may make."""
+SERVICE_ACCOUNT_USER = "system:serviceaccount:"
+"""How the API server names a service account: ``system:serviceaccount:<namespace>:<name>``."""
 
 
-def _annotation(side: str, key: str) -> str:
-    """CEL: the annotation's value on ``object`` or ``oldObject``, '' when absent (oldObject is null on CREATE)."""
-    annotations = f"{side}.metadata.annotations"
-    value = f"(has({annotations}) && '{key}' in {annotations} ? {annotations}['{key}'] : '')"
-    return f"({side} == null ? '' : {value})" if side == "oldObject" else value
+def _managed(side: str) -> str:
+    """CEL: ``side`` (``object`` or ``oldObject``, either may be null) carries Lockstep's managed-by label."""
+    labels, label = f"{side}.metadata.labels", f"'{keys.MANAGED_BY}'"
+    return f"{side} != null && has({labels}) && {label} in {labels} && {labels}[{label}] == '{keys.MANAGER}'"
+
+
+def _changed_keys(field: str) -> str:
+    """CEL: the keys of ``metadata.<field>`` (a string map) that a request sets, changes or removes.
+
+    Every key of ``object`` on CREATE (``oldObject`` is null); none on DELETE (``object`` is null).
+    """
+    new, old = f"object.metadata.{field}", f"oldObject.metadata.{field}"
+    differs = f"oldObject == null || !has({old}) || !(k in {old}) || {old}[k] != {new}[k]"
+    written = f"(!has({new}) ? [] : {new}.filter(k, {differs}))"
+    removed = f"(oldObject == null || !has({old}) ? [] : {old}.filter(k, !has({new}) || !(k in {new})))"
+    return f"request.operation == 'DELETE' ? [] : {written} + {removed}"
+
+
+def _same(field: str) -> str:
+    """CEL: an optional field of ``metadata`` is the same on ``oldObject`` and ``object`` (on UPDATE)."""
+    new, old = f"object.metadata.{field}", f"oldObject.metadata.{field}"
+    return f"has({new}) == has({old}) && (!has({new}) || {new} == {old})"
+
+
+def _extra(key: str) -> str:
+    """CEL: the first value of the caller's ``userInfo.extra[key]``, '' when absent (a client certificate has none)."""
+    extra = "request.userInfo.extra"
+    return f"has({extra}) && '{key}' in {extra} && size({extra}['{key}']) > 0 ? {extra}['{key}'][0] : ''"
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{item}'" for item in items) + "]"
 
 
 def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str, Any]:
-    """Only ``operator_username`` may write barrier commands; a pod may write its ack only on itself."""
-    changed = [
-        {"name": f"{name}Changed", "expression": f"{_annotation('oldObject', key)} != {_annotation('object', key)}"}
-        for name, key in {**OPERATOR_KEYS, **POD_KEYS}.items()
+    """Who may change what on a pod Lockstep manages (labelled before or after the request).
+
+    - ``OPERATOR_KEYS``: only ``operator_username``;
+    - ``POD_KEYS``: only the pod itself, as a token bound to it (same namespace, pod name and pod UID) proves;
+    - a token bound to a pod (other than the operator's) may only UPDATE its own pod, and change nothing but its
+      ``POD_KEYS`` on it: no spec, no labels, no other annotations, owner references or finalizers;
+    - the managed-by label (what makes a pod Lockstep's, so also creating such a pod): only the operator;
+    - members of ``keys.BREAK_GLASS_GROUP`` may do all of it. Anything else is left to RBAC.
+    """
+    own = _cel_list(POD_KEYS)
+    variables = [
+        ("annotationChanges", _changed_keys("annotations")),
+        ("labelChanges", _changed_keys("labels")),
+        ("isOperator", f"request.userInfo.username == '{operator_username}'"),
+        (
+            "isBreakGlass",
+            f"has(request.userInfo.groups) && '{keys.BREAK_GLASS_GROUP}' in request.userInfo.groups",
+        ),
+        ("podName", _extra(keys.POD_NAME_EXTRA)),
+        ("podUid", _extra(keys.POD_UID_EXTRA)),
+        ("isPod", "variables.podName != '' && !variables.isOperator && !variables.isBreakGlass"),
+        (
+            "isSelf",
+            "request.operation == 'UPDATE' && variables.podName == object.metadata.name && "
+            "variables.podUid == object.metadata.uid && "
+            f"request.userInfo.username.startsWith('{SERVICE_ACCOUNT_USER}' + object.metadata.namespace + ':')",
+        ),
+        (
+            "podChanges",
+            "(object.spec == oldObject.spec ? [] : ['spec']) + "
+            "variables.labelChanges.map(k, 'metadata.labels[' + k + ']') + "
+            f"variables.annotationChanges.filter(k, !(k in {own})).map(k, 'metadata.annotations[' + k + ']') + "
+            f"({_same('ownerReferences')} ? [] : ['metadata.ownerReferences']) + "
+            f"({_same('finalizers')} ? [] : ['metadata.finalizers'])",
+        ),
     ]
-    caller = [
-        {"name": "isOperator", "expression": f"request.userInfo.username == '{operator_username}'"},
-        {
-            "name": "podName",
-            "expression": f"'{keys.POD_NAME_EXTRA}' in request.userInfo.extra ? "
-            f"request.userInfo.extra['{keys.POD_NAME_EXTRA}'][0] : ''",
-        },
-    ]
+    caller = "request.userInfo.username"
+    by_operator = "variables.isOperator || variables.isBreakGlass"
+    token = "' for pod ' + variables.podName + ' (uid ' + variables.podUid + ')'"
     operator_only = [
         {
-            "expression": f"!variables.{name}Changed || variables.isOperator",
+            "expression": f"!('{key}' in variables.annotationChanges) || {by_operator}",
             "messageExpression": f"'{key} may be written only by the Lockstep operator ({operator_username}), "
-            "not by ' + request.userInfo.username",
+            f"or by a member of group {keys.BREAK_GLASS_GROUP}, not by ' + {caller}",
             "reason": "Forbidden",
         }
-        for name, key in OPERATOR_KEYS.items()
+        for key in OPERATOR_KEYS
     ]
     own_pod_only = [
         {
-            "expression": f"!variables.{name}Changed || variables.podName == object.metadata.name",
-            "messageExpression": f"'{key} on pod ' + object.metadata.name + ' may be written only by that pod itself "
-            "(a service-account token bound to it), not by ' + request.userInfo.username + "
-            "(variables.podName == '' ? '' : ' for pod ' + variables.podName)",
+            "expression": f"!('{key}' in variables.annotationChanges) || variables.isSelf || variables.isBreakGlass",
+            "messageExpression": f"'{key} on pod ' + object.metadata.name + "
+            "' may be written only by that pod itself (a service-account token bound to it), not by ' + "
+            f"{caller} + (variables.podName == '' ? '' : {token}) + "
+            "'; a token is bound to a pod when its namespace, pod name and pod UID all match the pod'",
             "reason": "Forbidden",
         }
-        for name, key in POD_KEYS.items()
+        for key in POD_KEYS
+    ]
+    confined = [
+        {
+            "expression": "!variables.isPod || variables.isSelf",
+            "messageExpression": f"'a service-account token bound to a pod may only update that pod itself, not ' + "
+            "request.operation + ' pod ' + request.namespace + '/' + "
+            f"(object != null ? object : oldObject).metadata.name + ': ' + {caller} + {token}",
+            "reason": "Forbidden",
+        },
+        {
+            "expression": "!variables.isPod || request.operation != 'UPDATE' || size(variables.podChanges) == 0",
+            "messageExpression": "'pod ' + object.metadata.namespace + '/' + object.metadata.name + "
+            f"' may change only its own annotations ({', '.join(POD_KEYS)}) with its token, not ' + "
+            "variables.podChanges.join(', ')",
+            "reason": "Forbidden",
+        },
+        {
+            "expression": f"!('{keys.MANAGED_BY}' in variables.labelChanges) || {by_operator}",
+            "messageExpression": f"'the label {keys.MANAGED_BY}={keys.MANAGER} (on pod ' + request.namespace + '/' + "
+            "object.metadata.name + ') marks a pod as managed by Lockstep: only the "
+            f"Lockstep operator ({operator_username}) sets or removes it, or a member of group "
+            f"{keys.BREAK_GLASS_GROUP}, not ' + {caller}",
+            "reason": "Forbidden",
+        },
     ]
     return {
         "apiVersion": ADMISSION_API_VERSION,
@@ -215,13 +361,17 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
                     {
                         "apiGroups": [""],
                         "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE"],
+                        "operations": ["CREATE", "UPDATE", "DELETE"],
                         "resources": ["pods"],
                     }
                 ]
             },
-            "variables": changed + caller,
-            "validations": operator_only + own_pod_only,
+            # Old or new: removing the label in the same request does not escape the policy.
+            "matchConditions": [
+                {"name": "lockstep-pod", "expression": f"({_managed('object')}) || ({_managed('oldObject')})"}
+            ],
+            "variables": [{"name": name, "expression": expression} for name, expression in variables],
+            "validations": operator_only + own_pod_only + confined,
         },
     }
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from lockstep.protocol import BarrierPhase, Command, EvalResult, Mismatch, PreflightResult, TransferGroup, Weights
+from lockstep.schema import OPAQUE_LIST, OPAQUE_OBJECT, Model
 
 GROUP = "lockstep.dev"
 VERSION = "v1alpha1"
@@ -36,17 +38,6 @@ def validations(*rules: dict[str, str]) -> dict[str, Any]:
 
 def immutable(field: str, why: str) -> dict[str, Any]:
     return validations(cel("self == oldSelf", f"{field} is immutable while the RLJob exists: {why}"))
-
-
-OPAQUE_OBJECT: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-OPAQUE_LIST: dict[str, Any] = {"type": "array", "items": OPAQUE_OBJECT}
-"""Kubernetes core types passed through to pods as they are (validated by the API server on the pod)."""
-
-
-class Model(BaseModel):
-    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 # -- vLLM settings -------------------------------------------------------------------
@@ -84,15 +75,35 @@ class VllmSettings(Model):
     hf_overrides: dict[str, str | int | float | bool] | None = Field(
         None, description='Overrides of the Hugging Face config, e.g. {"head_dtype": "float32"} for an fp32 lm_head.'
     )
-    dtype: DType | None = None
-    max_model_len: Annotated[int, Field(ge=1)] | None = None
-    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
-    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
-    tensor_parallel_size: Annotated[int, Field(ge=1)] | None = None
-    enforce_eager: bool | None = None
-    enable_chunked_prefill: bool | None = None
-    seed: int | None = None
+    dtype: DType | None = Field(
+        None,
+        description="Data type of the weights and activations (--dtype); auto: the checkpoint's. vLLM's default: auto.",
+    )
+    max_model_len: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Longest sequence, prompt and completion, in tokens. vLLM's default: the model's context length.",
+    )
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Most sequences in one engine step (a batch). vLLM's default depends on the hardware."
+    )
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Most tokens in one engine step, in tokens. vLLM's default depends on the hardware."
+    )
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None,
+        description="Fraction (0-1] of the accelerator's memory vLLM may take for the weights, activations and "
+        "KV cache. vLLM's default: 0.9.",
+    )
+    tensor_parallel_size: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="GPUs each actor shards the model over (its vLLM workers). vLLM's default: 1."
+    )
+    enforce_eager: bool | None = Field(
+        None, description="Run the model eagerly, without CUDA graphs or torch.compile. vLLM's default: false."
+    )
+    enable_chunked_prefill: bool | None = Field(
+        None, description="Split long prompts' prefill across engine steps. vLLM's default: on in V1."
+    )
+    seed: int | None = Field(None, description="Seed of vLLM's random sampling. vLLM's default: 0.")
 
 
 # -- ParityPolicy --------------------------------------------------------------------
@@ -131,7 +142,11 @@ class MismatchBudget(Model):
 
 class TrainerParity(Model):
     lm_head_dtype: DType = Field(DType.FLOAT32, description="dtype of the trainer's final projection.")
-    mismatch_budget: MismatchBudget = Field(default_factory=MismatchBudget)
+    mismatch_budget: MismatchBudget = Field(
+        default_factory=MismatchBudget,
+        description="The train-inference mismatch a job may show, in its preflight and on every step, and what "
+        "happens beyond it.",
+    )
 
 
 class WeightUpdateSemantics(Model):
@@ -156,6 +171,8 @@ PREFIX_CACHE_RULE = cel(
 
 
 class ParityPolicySpec(Model):
+    """The vLLM settings a cluster admin locks for the RLJobs of the selected namespaces, and how strictly."""
+
     model_config = ConfigDict(json_schema_extra=validations(PREFIX_CACHE_RULE))
 
     default: bool = Field(False, description="Used by RLJobs that name no policy. Exactly one policy should set it.")
@@ -168,8 +185,13 @@ class ParityPolicySpec(Model):
         default_factory=NamespaceSelector, description="The namespaces whose RLJobs this policy applies to."
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="Locked vLLM settings.")
-    trainer: TrainerParity = Field(default_factory=TrainerParity)
-    weight_update: WeightUpdateSemantics = Field(default_factory=WeightUpdateSemantics)
+    trainer: TrainerParity = Field(
+        default_factory=TrainerParity, description="What the trainer must do to match the actors' numerics."
+    )
+    weight_update: WeightUpdateSemantics = Field(
+        default_factory=WeightUpdateSemantics,
+        description="How an actor takes new weights mid-generation (vLLM's pause_generation arguments).",
+    )
 
 
 class ParityPolicy(Model):
@@ -184,24 +206,85 @@ class ParityPolicy(Model):
 
 class ModelSource(Model):
     uri: Annotated[str, Field(min_length=1)] = Field(description="Path in the pod, or a URI, of the base model.")
-    dtype: DType = DType.BFLOAT16
+    dtype: DType = Field(
+        DType.BFLOAT16,
+        description="The dtype the trainer computes the model's layers in (auto: the checkpoint's). Keep "
+        "spec.actors.vllm.dtype the same, so that both sides compute alike.",
+    )
+
+
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+"""A Kubernetes resource quantity (the API server's own pattern): 500m, 2, 16Gi, 1e3."""
+Quantity = Annotated[
+    str,
+    BeforeValidator(lambda value: str(value) if type(value) is int else value),
+    Field(pattern=QUANTITY_PATTERN),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}),
+]
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+class Resources(Model):
+    """Compute resources of the role's container, as in a pod (quantities checked when the RLJob is applied)."""
+
+    limits: dict[str, Quantity] | None = Field(None, description="e.g. {cpu: 4, memory: 16Gi, nvidia.com/gpu: 1}")
+    requests: dict[str, Quantity] | None = Field(
+        None, description="What the scheduler reserves, by resource name: quantities as in limits. Default: the limits."
+    )
+    claims: list[dict[str, Any]] | None = Field(
+        None, description="Dynamic resource claims the container uses, as in a pod.", json_schema_extra=OPAQUE_LIST
+    )
+
+
+class EnvVar(Model):
+    """An environment variable of the role's container, as in a pod: a value, or valueFrom a source."""
+
+    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN)] = Field(description="The variable's name.")
+    value: str | None = Field(None, description="The value; unset with valueFrom.")
+    value_from: dict[str, Any] | None = Field(
+        None,
+        description="A source of the value, as in a pod: fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef.",
+        json_schema_extra=OPAQUE_OBJECT,
+    )
 
 
 class PodOverrides(Model):
     """Kubernetes pod fields passed through to the pods of one role."""
 
-    resources: dict[str, Any] | None = Field(None, json_schema_extra=OPAQUE_OBJECT)
-    node_selector: dict[str, str] | None = None
-    tolerations: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
-    affinity: dict[str, Any] | None = Field(None, json_schema_extra=OPAQUE_OBJECT)
-    env: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
-    volumes: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
-    volume_mounts: list[dict[str, Any]] | None = Field(None, json_schema_extra=OPAQUE_LIST)
+    resources: Resources | None = None
+    node_selector: dict[str, str] | None = Field(
+        None, description="Node labels the role's pods must run on, as in a pod. Default: any node."
+    )
+    tolerations: list[dict[str, Any]] | None = Field(
+        None, description="Taints the role's pods tolerate, as in a pod.", json_schema_extra=OPAQUE_LIST
+    )
+    affinity: dict[str, Any] | None = Field(
+        None, description="Node and pod affinity of the role's pods, as in a pod.", json_schema_extra=OPAQUE_OBJECT
+    )
+    env: list[EnvVar] | None = Field(
+        None, description="Environment variables added to the role's container, after the ones the operator sets."
+    )
+    volumes: list[dict[str, Any]] | None = Field(
+        None,
+        description="Volumes added to the role's pods, as in a pod (e.g. the model's, at spec.model.uri).",
+        json_schema_extra=OPAQUE_LIST,
+    )
+    volume_mounts: list[dict[str, Any]] | None = Field(
+        None,
+        description="Mounts of those volumes in the role's container, as in a pod. The operator mounts "
+        "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself.",
+        json_schema_extra=OPAQUE_LIST,
+    )
 
 
 class ActorSpec(PodOverrides):
-    replicas: Annotated[int, Field(ge=0, le=4096)] = 1
-    image: Annotated[str, Field(min_length=1)]
+    replicas: Annotated[int, Field(ge=1, le=4096)] = Field(
+        1, description="vLLM rollout servers. To stop a job's pods, set spec.suspend instead of 0."
+    )
+    image: Annotated[str, Field(min_length=1)] = Field(
+        description="The actors' (and the preflight pod's) container image: lockstep_workers with vLLM, e.g. "
+        "ghcr.io/lockstep-dev/lockstep-actor (GPUs) or lockstep-worker-cpu (images/ in the repository)."
+    )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM arguments for the rollout servers.")
 
 
@@ -212,20 +295,41 @@ class Algorithm(StrEnum):
 
 
 class TruncatedImportanceSampling(Model):
-    enabled: bool = False
+    """Truncated importance sampling (TIS): each token's loss is weighted by min(pi_train / pi_rollout, cap)."""
+
+    enabled: bool = Field(
+        False,
+        description="Weight each token by min(pi_train / pi_rollout, cap), correcting for what parity leaves.",
+    )
     cap: Annotated[float, Field(gt=1)] = Field(2.0, description="C in min(pi_train / pi_rollout, C).")
 
 
 class Objective(Model):
-    algorithm: Algorithm = Algorithm.GSPO
-    clip_epsilon_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    clip_epsilon_high: Annotated[float, Field(gt=0)] = 0.28
+    algorithm: Algorithm = Field(
+        Algorithm.GSPO,
+        description="The clipped policy-gradient objective: ppo (token ratios, mean over all tokens), grpo (token "
+        "ratios, mean within each sequence, then over sequences) or gspo (one ratio per sequence).",
+    )
+    clip_epsilon_low: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.2, description="Lower clip range: the ratio is clipped below at 1 - clipEpsilonLow."
+    )
+    clip_epsilon_high: Annotated[float, Field(gt=0)] = Field(
+        0.28, description="Upper clip range: the ratio is clipped above at 1 + clipEpsilonHigh."
+    )
     truncated_importance_sampling: TruncatedImportanceSampling = Field(default_factory=TruncatedImportanceSampling)
-    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-6
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = Field(
+        1e-6, description="The optimiser's (Adam) learning rate."
+    )
     minibatches: Annotated[int, Field(ge=1, le=64)] = Field(
         2,
         description="Optimiser steps per batch of rollouts, each on a slice of its prompt groups; ratios are "
         "taken against the weights the batch started from, so clipping acts from the second on.",
+    )
+    tokens_per_micro_batch: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Gradient accumulation: each minibatch is run forward and backward in equal micro-batches of "
+        "about this many tokens (padding included) per trainer rank, so that a step's batch need not fit in memory "
+        "at once. Unset: a minibatch in one pass.",
     )
 
 
@@ -247,6 +351,68 @@ class RolloutSettings(Model):
         description="Nucleus sampling; the trainer applies vLLM's exact top-p mask to its logprobs, and leaves "
         "out of the loss the few tokens that fall outside its own set (counted as outside_top_p_fraction).",
     )
+    function: str | None = Field(
+        None,
+        pattern=CALLABLE_PATTERN,
+        description="How each sample is taken, package.module:function: an async function called as "
+        "function(row, prompt_token_ids, client) that samples the policy with await client.generate(token_ids, "
+        "sampling) as many turns as it likes and returns an Episode (token ids after the prompt, their logprobs, and "
+        "a mask of the tokens the policy produced; the tokens the environment inserted stay out of the loss); see "
+        "lockstep_workers.episodes. Unset: one completion of the prompt.",
+    )
+
+
+class PromptTemplate(StrEnum):
+    CHAT = "Chat"
+    RAW = "Raw"
+
+
+class Dataset(Model):
+    """Where a job's prompts come from: rows of a file or a saved dataset on a volume the trainer mounts."""
+
+    train: Annotated[str, Field(min_length=1)] = Field(
+        description="The training rows: a path in the trainer pod (on a volume in spec.trainer.volumes) to a .jsonl "
+        "or .parquet file, or to a directory a Hugging Face dataset was saved to (save_to_disk; a DatasetDict's "
+        "split is its subdirectory, e.g. /data/gsm8k/train)."
+    )
+    eval: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="The evaluation rows (spec.trainer.eval), in the same forms as train. Default: none."
+    )
+    prompt_field: Annotated[str, Field(min_length=1)] = Field(
+        "prompt",
+        description="The row field that holds the prompt: a string, or chat messages (a list of {role, content}).",
+    )
+    reward_fields: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="Fields every row must have for the reward, e.g. [answer]: checked before training (the reward "
+        "gets the whole row).",
+    )
+    template: PromptTemplate = Field(
+        PromptTemplate.CHAT,
+        description="Chat: the model tokenizer's chat template (apply_chat_template, with the generation prompt) "
+        "renders the prompt, a string as one user message; Raw: the prompt string is tokenized as it is.",
+    )
+    shuffle_seed: int = Field(
+        0,
+        description="Seed of the deterministic shuffle of the training rows; each pass over them is shuffled anew. "
+        "Step N takes the next promptsPerStep rows, so a resumed trainer goes on at the row it stopped at.",
+    )
+
+
+class Evaluation(Model):
+    every_steps: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="Every this many steps, and before the first, the trainer samples the eval split greedily from "
+        "the actors, scores it with the job's reward and reports eval_reward. 0: never. Needs dataset.eval.",
+    )
+    prompts: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="How many of the eval split's rows (the first ones) each evaluation samples. Default: all."
+    )
+
+
+class RewardErrorAction(StrEnum):
+    ZERO = "Zero"
+    FAIL = "Fail"
 
 
 class Training(Model):
@@ -254,26 +420,60 @@ class Training(Model):
 
     reward: str = Field(
         pattern=CALLABLE_PATTERN,
-        description="The reward function, package.module:function, called as reward(prompt_token_ids, "
-        "completion_token_ids) -> float; e.g. lockstep_workers.rewards:target_words.",
+        description="The reward function, package.module:function. One with parameters (completion, prompt, row) "
+        "gets the decoded completion, the prompt's text and its dataset row, e.g. "
+        "lockstep_workers.rewards:math_exact_match; any other is called as reward(prompt_token_ids, "
+        "completion_token_ids), e.g. lockstep_workers.rewards:target_words. It returns a float.",
     )
+    on_reward_error: RewardErrorAction = Field(
+        RewardErrorAction.FAIL,
+        description="When the reward function raises (always counted as reward_errors and logged with the row): "
+        "Zero scores the completion 0; Fail stops the trainer with the error.",
+    )
+    reward_processes: Annotated[int, Field(ge=1, le=256)] = Field(
+        2, description="Processes that run the reward function (a process pool), so a slow one does not stall."
+    )
+    dataset: Dataset | None = Field(
+        None, description="The prompts' dataset. Default: none; the prompt source (prompts) makes them."
+    )
+    eval: Evaluation = Field(default_factory=Evaluation, description="Evaluation during training.")
     prompts: str = Field(
         "lockstep_workers.rewards:random_prompts",
         pattern=CALLABLE_PATTERN,
-        description="The prompt source, package.module:function, called as prompts(step, count, seed) -> "
-        "list of prompt token id lists.",
+        description="The prompt source when there is no dataset, package.module:function, called as "
+        "prompts(step, count, seed) -> list of prompt token id lists.",
     )
     steps: Annotated[int, Field(ge=1)] = Field(100, description="Optimiser steps; the job succeeds after the last.")
     max_lag: Annotated[int, Field(ge=0)] = Field(
         1,
         description="How many versions the actors may be behind when a step's sampling starts: 0 waits for each "
-        "weight update to finish; 1 samples while the previous update is in flight.",
+        "weight update to finish; 1 samples while the previous update is in flight. A hard bound: a sample with a "
+        "token more than maxLag versions behind the trainer's weights is dropped before the loss and sampled again "
+        "(counted as stale_samples_dropped, and in status.mismatch.staleSamplesDropped).",
     )
-    seed: int = 0
-    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
-    objective: Objective = Field(default_factory=Objective)
+    seed: int = Field(0, description="Seed of the trainer's random state and of the prompt source.")
+    rollout: RolloutSettings = Field(
+        default_factory=RolloutSettings, description="How each step samples from the actors."
+    )
+    objective: Objective = Field(default_factory=Objective, description="The loss and the optimiser.")
+    checkpoint_every_steps: Annotated[int, Field(ge=0)] = Field(
+        10,
+        description="Every this many steps the trainer saves its model and optimizer shards, step and RNG states "
+        "(torch.distributed.checkpoint) under the job's directory on spec.weightSync.volume, which every trainer rank "
+        "must mount; a restarted trainer, with any number of replicas, resumes them. 0: never.",
+    )
+    checkpoints_kept: Annotated[int, Field(ge=1)] = Field(2, description="How many of the newest checkpoints are kept.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass instead of keeping them."
+    )
 
 
+EVAL_SPLIT_RULE = cel(
+    "self.eval.everySteps == 0 || (has(self.dataset) && has(self.dataset.eval))",
+    "spec.trainer.eval.everySteps needs spec.trainer.dataset.eval, the rows to evaluate on: set it, or set "
+    "everySteps to 0",
+    field_path=".eval.everySteps",
+)
 TRAINER_SHARDS_RULE = cel(
     "self.rollout.promptsPerStep >= self.replicas * self.objective.minibatches",
     "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas times "
@@ -284,10 +484,13 @@ TRAINER_SHARDS_RULE = cel(
 
 
 class TrainerSpec(PodOverrides, Training):
-    model_config = ConfigDict(json_schema_extra=validations(TRAINER_SHARDS_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(TRAINER_SHARDS_RULE, EVAL_SPLIT_RULE))
 
     replicas: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="torch.distributed world size.")
-    image: Annotated[str, Field(min_length=1)]
+    image: Annotated[str, Field(min_length=1)] = Field(
+        description="The trainer's container image: lockstep_workers with torch (and vLLM for backend nccl), e.g. "
+        "ghcr.io/lockstep-dev/lockstep-trainer (GPUs) or lockstep-worker-cpu (images/ in the repository)."
+    )
 
     def training(self) -> Training:
         return Training.model_validate(self.model_dump(include=set(Training.model_fields)))
@@ -339,8 +542,15 @@ class WeightSync(Model):
         "committed cannot resume).",
         json_schema_extra=OPAQUE_OBJECT,
     )
-    barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
-    on_timeout: TimeoutAction = TimeoutAction.FAIL_JOB
+    barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
+        600,
+        description="How long each phase of a weight update may wait for its members' acks, in seconds.",
+    )
+    on_timeout: TimeoutAction = Field(
+        TimeoutAction.FAIL_JOB,
+        description="When a phase times out: FailJob fails the job; EvictStraggler replaces the members that did "
+        "not ack and goes on without them (they rejoin on the newest weights).",
+    )
 
 
 class Preflight(Model):
@@ -350,8 +560,10 @@ class Preflight(Model):
         "job's effective vLLM configuration and recomputes the tokens with the trainer's forward pass; over the "
         "ParityPolicy's mismatch budget, the job stops (ParityLocked=False, MismatchBudgetExceeded).",
     )
-    prompts: Annotated[int, Field(ge=1, le=1024)] = 8
-    samples_per_prompt: Annotated[int, Field(ge=1, le=64)] = 4
+    prompts: Annotated[int, Field(ge=1, le=1024)] = Field(8, description="Prompts the preflight samples.")
+    samples_per_prompt: Annotated[int, Field(ge=1, le=64)] = Field(
+        4, description="Completions per prompt, each spec.trainer.rollout.maxTokens long."
+    )
 
 
 RLJOB_NAME_MAX = 45
@@ -360,122 +572,97 @@ RLJOB_NAME_RULE = cel(
     f"metadata.name: at most {RLJOB_NAME_MAX} characters, so that pod host names <name>-trainer-<rank> stay "
     "valid DNS labels (63 characters); choose a shorter name",
 )
+RLJOB_NAME_LABEL_RULE = cel(
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    "metadata.name: lower-case letters, digits and '-', starting with a letter and ending with a letter or digit "
+    "(no '.'), because the job's Services are named after it (<name>-actors) and a Service name is a DNS label; "
+    "choose such a name",
+)
+RLJOB_NAME_RULES = (RLJOB_NAME_RULE, RLJOB_NAME_LABEL_RULE)
+
+
+class NetworkIsolation(Model):
+    """The NetworkPolicy the operator keeps for the job (``<job>-isolation``): who may connect to its pods."""
+
+    enabled: bool = Field(
+        True,
+        description="Admit connections to the job's pods only from the job's own pods (any port: torch.distributed "
+        "and the weight-transfer group use ephemeral ports), plus metricsFrom. Egress is not restricted. It needs "
+        "a network plugin that enforces NetworkPolicy; kubelet probes are not affected.",
+    )
+    metrics_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="NetworkPolicy peers (podSelector, namespaceSelector, ipBlock) that may also reach the actors' "
+        "HTTP port (vLLM's /metrics, beside /generate) and the trainer's metrics port, e.g. "
+        "[{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}] for Prometheus.",
+        json_schema_extra=OPAQUE_LIST,
+    )
 
 
 class RLJobSpec(Model):
-    model: ModelSource = Field(json_schema_extra=immutable("spec.model", "weights are trained from this base model"))
+    """An online RL job: vLLM rollout actors and a torch trainer, kept in lockstep by weight-update barriers."""
+
+    model: ModelSource = Field(
+        description="The base model the actors serve and the trainer trains (immutable).",
+        json_schema_extra=immutable("spec.model", "weights are trained from this base model"),
+    )
     parity_policy: Annotated[str, Field(min_length=1)] | None = Field(
         None, description="ParityPolicy to apply; default: the cluster's default policy."
     )
-    actors: ActorSpec
-    trainer: TrainerSpec
-    weight_sync: WeightSync
-    preflight: Preflight = Field(default_factory=Preflight)
-    suspend: bool = False
-    max_restarts: Annotated[int, Field(ge=0)] = 3
-    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
-
-
-# -- the weight-update barrier (docs/barrier-protocol.md) -------------------------------
-
-PROTOCOL = 1
-"""Version of the barrier protocol; every annotation document carries it."""
-
-
-class BarrierPhase(StrEnum):
-    PAUSE = "Pause"
-    UPDATE = "Update"
-    RESUME = "Resume"
-
-
-class Weights(Model):
-    """Published weights: ``lockstep.dev/weights`` (trainer) and ``lockstep.dev/initial-weights`` (operator)."""
-
-    protocol: int = PROTOCOL
-    version: Annotated[int, Field(ge=1)]
-    uri: Annotated[str, Field(min_length=1)]
-    digest: Annotated[str, Field(min_length=1)]
-
-
-class TransferGroup(Model):
-    """A member's place in the process group that carries one barrier's weights (collective backends): the
-    trainer is rank 0; an actor's vLLM workers take ranks ``rankOffset`` to ``rankOffset + workers - 1``."""
-
-    rank_offset: int = Field(ge=0)
-    world_size: int = Field(ge=2)
-
-
-class Command(Model):
-    """``lockstep.dev/barrier``: what the operator asks a member pod to do."""
-
-    protocol: int = PROTOCOL
-    id: str
-    version: int
-    uri: str
-    digest: str
-    phase: BarrierPhase
-    group: TransferGroup | None = Field(
-        None, description="collective backends, Update phase: this member's rank in the transfer group"
+    actors: ActorSpec = Field(description="The vLLM rollout servers (pods <job>-actor-<i>).")
+    trainer: TrainerSpec = Field(description="The trainer (pods <job>-trainer-<rank>; rank 0 drives the rollouts).")
+    weight_sync: WeightSync = Field(description="How each new weights version reaches the actors.")
+    preflight: Preflight = Field(
+        default_factory=Preflight, description="A train-inference parity check before training starts."
+    )
+    network_policy: NetworkIsolation = Field(default_factory=NetworkIsolation)
+    suspend: bool = Field(
+        False,
+        description="True deletes the job's pods and keeps its status (not counted as a restart); false creates "
+        "them again (e.g. Kueue admits the job).",
+    )
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        3,
+        description="Failures (pods that failed or vanished) the job survives; one more fails it. Replacements the "
+        "operator chooses are not counted.",
+    )
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="Seconds after the job succeeded or failed when it is deleted. Unset: never."
     )
 
 
-class Ack(Model):
-    """``lockstep.dev/barrier-ack``: what a pod says it has done."""
-
-    protocol: int = PROTOCOL
-    id: str | None = None
-    phase: str
-    loaded_version: int | None = None
-    digest: str | None = None
-    error: str | None = None
-
-
-class Mismatch(Model):
-    """``lockstep.dev/mismatch``: the train-inference parity the trainer measured on its last step."""
-
-    protocol: int = PROTOCOL
-    step: int
-    mean_abs_logprob_diff: float = Field(
-        description="mean |logprob_trainer - logprob_rollout| on sequences sampled wholly under the trainer's weights"
-    )
-    token_fraction: float = Field(description="the fraction of the step's tokens that measurement covers")
-
-
-class PreflightResult(Model):
-    """``lockstep.dev/preflight``: what the preflight pod measured under the job's effective configuration."""
-
-    protocol: int = PROTOCOL
-    mean_abs_logprob_diff: float = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
-    shared_prefix_mean_abs_logprob_diff: float = Field(
-        description="the same, for requests that share a prompt with earlier ones, after an in-flight weight update"
-    )
-    clip_fraction: float = Field(description="tokens whose ratio leaves [1 - 0.2, 1 + 0.2]")
-    outside_top_p_per_thousand: float = Field(description="tokens outside the trainer's top-p set, per 1000")
-    tokens: int
+# -- the barrier in the status (the wire documents are in lockstep.protocol) ------------------
 
 
 class BarrierStatus(Model):
     """The open barrier, as recorded in ``RLJob.status.barrier``."""
 
-    id: str
-    version: int
-    uri: str
-    digest: str
-    phase: BarrierPhase
+    id: str = Field(description="<job uid>/<version>: names the barrier in every command and ack")
+    version: int = Field(description="the weights version being loaded")
+    uri: str = Field(description="where the weights are (a directory on the shared volume, or a manifest URL)")
+    digest: str = Field(description="sha256 of the weights, checked by every member")
+    phase: BarrierPhase = Field(description="Pause, Update or Resume: what the members are asked to do now")
     members: dict[str, str] = Field(description="pod name → pod UID")
-    acked: list[str] = Field(default_factory=list, description="members that acked the current phase, in order")
-    started_at: str
-    phase_started_at: str
+    sender: str | None = Field(
+        None, description="collective backends: the member that sends the weights (trainer rank 0), rank 0 of the group"
+    )
+    started_at: str = Field(description="when the barrier opened (RFC 3339)")
+    phase_started_at: str = Field(description="when the current phase began (RFC 3339)")
     deadline: str = Field(description="when the current phase times out")
-    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    phase_seconds: dict[str, float] = Field(default_factory=dict, description="phase → how long it took, in seconds")
     slowest: dict[str, str] = Field(default_factory=dict, description="phase → the last member to ack it")
-    evicted: list[str] = Field(default_factory=list)
+    evicted: list[str] = Field(default_factory=list, description="members evicted as stragglers (onTimeout)")
     reported: dict[str, str] = Field(default_factory=dict, description="pod → invalid ack already reported")
     transfer_ranks: dict[str, int] = Field(
         default_factory=dict,
         description="collective backends, from the Update phase on: member → its first rank in the transfer group",
     )
-    transfer_world_size: int | None = None
+    transfer_world_size: int | None = Field(
+        None, description="collective backends, from the Update phase on: ranks in the transfer group"
+    )
+    retries: dict[str, int] = Field(
+        default_factory=dict, description="member → how often the current phase was asked again after an error"
+    )
 
     def weights(self) -> Weights:
         return Weights(version=self.version, uri=self.uri, digest=self.digest)
@@ -486,7 +673,13 @@ class BarrierStatus(Model):
         if self.phase is BarrierPhase.UPDATE and member in self.transfer_ranks and self.transfer_world_size:
             group = TransferGroup(rank_offset=self.transfer_ranks[member], world_size=self.transfer_world_size)
         return Command(
-            id=self.id, version=self.version, uri=self.uri, digest=self.digest, phase=self.phase, group=group
+            id=self.id,
+            version=self.version,
+            uri=self.uri,
+            digest=self.digest,
+            phase=self.phase,
+            group=group,
+            retry=self.retries.get(member, 0),
         )
 
 
@@ -498,14 +691,14 @@ class BarrierOutcome(StrEnum):
 class BarrierRecord(Model):
     """One finished barrier, kept in ``RLJob.status.barrierHistory``."""
 
-    id: str
-    version: int
-    outcome: BarrierOutcome
-    seconds: float
-    phase_seconds: dict[str, float]
-    slowest_pod: str | None = None
-    members: int
-    evicted: list[str] = Field(default_factory=list)
+    id: str = Field(description="<job uid>/<version>")
+    version: int = Field(description="the weights version the barrier loaded")
+    outcome: BarrierOutcome = Field(description="Completed: every member serves the version; Failed: none committed")
+    seconds: float = Field(description="from opening to closing, in seconds")
+    phase_seconds: dict[str, float] = Field(description="phase → how long it took, in seconds")
+    slowest_pod: str | None = Field(None, description="the member that acked the longest phase last")
+    members: int = Field(description="how many pods took part")
+    evicted: list[str] = Field(default_factory=list, description="members evicted as stragglers")
 
 
 class ConditionStatus(StrEnum):
@@ -517,46 +710,84 @@ class ConditionStatus(StrEnum):
 class Condition(Model):
     """A metav1.Condition."""
 
-    type: str
-    status: ConditionStatus
-    reason: str
-    message: str = ""
-    last_transition_time: str
-    observed_generation: int | None = None
+    type: str = Field(description="Ready, ParityLocked, ParityDegraded, Queued, Reconciling or Stalled")
+    status: ConditionStatus = Field(description="True, False or Unknown")
+    reason: str = Field(description="why, in one CamelCase word")
+    message: str = Field("", description="why, for people")
+    last_transition_time: str = Field(description="when status last changed (RFC 3339)")
+    observed_generation: int | None = Field(None, description="the metadata.generation the condition describes")
 
 
 class Phase(StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
     SUSPENDED = "Suspended"
+    QUEUED = "Queued"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
 
 class ReplicaStatus(Model):
-    desired: int = 0
-    ready: int = 0
+    desired: int = Field(0, description="pods the spec asks for")
+    ready: int = Field(0, description="of them, pods that are ready")
     summary: str = Field("0/0", description="ready/desired, for kubectl get.")
 
 
+class QueueStatus(Model):
+    """Where Kueue holds the job: a job labelled kueue.x-k8s.io/queue-name, with the operator's Kueue integration on."""
+
+    local_queue: str = Field(description="The LocalQueue the job waits in (its label kueue.x-k8s.io/queue-name).")
+    workload: str | None = Field(
+        None, description="The job's Kueue Workload: one gang of its actor, trainer and preflight pods."
+    )
+    cluster_queue: str | None = Field(None, description="The ClusterQueue that admitted the Workload, while admitted.")
+
+
 class RLJobStatus(Model):
-    phase: Phase = Phase.PENDING
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
-    actors: ReplicaStatus = Field(default_factory=ReplicaStatus)
-    trainer: ReplicaStatus = Field(default_factory=ReplicaStatus)
+    """What the operator observed and did: pods, committed weights, the barrier in flight, parity."""
+
+    phase: Phase = Field(
+        Phase.PENDING, description="Pending, Running, Suspended, Queued (waiting for Kueue), Succeeded or Failed."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, ParityLocked, ParityDegraded, Queued (Kueue), and for kstatus Reconciling and Stalled.",
+    )
+    queue: QueueStatus | None = Field(None, description="Where Kueue holds the job (jobs Kueue manages only).")
+    observed_generation: int | None = Field(None, description="The metadata.generation the status describes.")
+    actors: ReplicaStatus = Field(default_factory=ReplicaStatus, description="The actor pods.")
+    trainer: ReplicaStatus = Field(default_factory=ReplicaStatus, description="The trainer pods.")
     weights_version: int | None = Field(None, description="The version every member serves (last barrier).")
     weights: Weights | None = Field(None, description="The committed weights; new pods start from them.")
     lag: int | None = Field(None, description="Newest announced version minus the oldest version an actor serves.")
     barrier: BarrierStatus | None = Field(None, description="The weight update in flight.")
     barrier_history: list[BarrierRecord] = Field(default_factory=list, description="The most recent barriers.")
     mismatch: Mismatch | None = Field(None, description="The trainer's last parity measurement.")
+    evaluation: EvalResult | None = Field(None, description="The trainer's last evaluation (spec.trainer.eval).")
     preflight: PreflightResult | None = Field(None, description="The preflight parity check's result.")
-    config_fingerprint: str | None = None
+    config_fingerprint: str | None = Field(
+        None, description="sha256 of the effective configuration, also on every pod (a pod that differs is drift)."
+    )
     parity_policy: str | None = Field(None, description="The ParityPolicy that was applied.")
-    restarts: int = 0
-    last_restart_time: str | None = None
-    finished_time: str | None = None
+    restarts: int = Field(0, description="Failures: pods that failed or vanished (counted against spec.maxRestarts).")
+    replacements: int = Field(
+        0,
+        description="Pods the operator replaced by choice: spec edits, ParityPolicy changes, drift and straggler "
+        "evictions (never counted against spec.maxRestarts).",
+    )
+    replacing: list[str] = Field(
+        default_factory=list, description="Pods the operator deleted to replace them, not yet recreated."
+    )
+    restarting: list[str] = Field(
+        default_factory=list,
+        description="Pods lost in the restart under way (failed or vanished, and the trainer ranks restarted with "
+        "them), not yet recreated: a further loss before they are back joins that restart.",
+    )
+    refused_announcement: str | None = Field(
+        None, description="The trainer's last weights announcement the operator refused (reported once as an Event)."
+    )
+    last_restart_time: str | None = Field(None, description="When the operator last restarted failed pods (RFC 3339).")
+    finished_time: str | None = Field(None, description="When the job succeeded or failed (RFC 3339).")
 
 
 class RLJob(Model):

@@ -1,4 +1,4 @@
-"""The weight-update barrier (docs/barrier-protocol.md): its documents and its state machine.
+"""The weight-update barrier (docs/barrier-protocol.md): its state machine (the documents are lockstep.protocol).
 
 ``step`` is pure: given the barrier recorded in the RLJob's status, the newest announced weights,
 the member pods and their acks, it returns the barrier's next state and the command every member
@@ -10,32 +10,22 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from pydantic import ValidationError
+from pathlib import PurePosixPath
+from typing import Any
+from urllib.parse import unquote, urlparse
 
 from lockstep import keys
-from lockstep.api import (
-    PROTOCOL,
-    Ack,
-    BarrierOutcome,
-    BarrierPhase,
-    BarrierRecord,
-    BarrierStatus,
-    Command,
-    Mismatch,
-    PreflightResult,
-    TimeoutAction,
-    Weights,
-)
+from lockstep.api import BarrierOutcome, BarrierRecord, BarrierStatus, TimeoutAction
+from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, Weights, parse_ack, read_document
 from lockstep.times import parse_rfc3339, rfc3339
 
-DocumentT = TypeVar("DocumentT", Weights, Command, Ack, Mismatch, PreflightResult)
 HISTORY_LENGTH = 10
 TRANSFER_ATTEMPTS = 3
 """Collective backends: attempts at one barrier's transfer, each in a new group, before the members still
 waiting for the weights are stragglers."""
-ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
+MEMBER_RETRIES = 2
+"""How often a barrier asks a member again after it reported an error (the error may be transient) before the
+member is a straggler."""
 NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
 
 
@@ -45,7 +35,6 @@ class Member:
 
     name: str
     uid: str
-    alive: bool
     loaded_version: int | None
     ack: str | None
     """The raw ``lockstep.dev/barrier-ack`` annotation, if any."""
@@ -57,37 +46,42 @@ class Decision:
     committed: Weights | None
     commands: dict[str, Command] = field(default_factory=dict)
     evict: list[str] = field(default_factory=list)
+    acked: list[str] = field(default_factory=list)
+    """The members that acked the open barrier's current phase, in the order ``step`` was given them (the shell
+    orders them by when each ack arrived, so the last is the slowest). Derived from the pods on every call, never
+    stored: a restarted operator finds the acks where they are."""
     failed: str | None = None
     record: BarrierRecord | None = None
     notes: list[str] = field(default_factory=list)
     """What happened, in words for Events."""
 
 
-def document(value: Weights | Command | Ack | Mismatch | PreflightResult) -> str:
-    """The annotation text of a protocol document."""
-    return json.dumps(value.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
-
-
 def _annotations(pod: dict[str, Any]) -> dict[str, str]:
     return pod["metadata"].get("annotations") or {}
-
-
-def read_document(text: str | None, kind: type[DocumentT]) -> DocumentT | str | None:
-    """A protocol document from an annotation: the document, why it is unusable, or None when absent."""
-    if text is None:
-        return None
-    try:
-        document = kind.model_validate(json.loads(text))
-    except (ValueError, ValidationError) as error:
-        return f"is not a valid {kind.__name__} document ({str(error).splitlines()[0]})"
-    if document.protocol != PROTOCOL:
-        return f"speaks barrier protocol {document.protocol}; this version speaks {PROTOCOL}"
-    return document
 
 
 def announced_by(trainer: dict[str, Any]) -> Weights | str | None:
     """The weights the trainer announced on its pod, why they are unreadable, or None."""
     return read_document(_annotations(trainer).get(keys.WEIGHTS), Weights)
+
+
+def announcement_problem(weights: Weights, *, job_uid: str, collective: bool, committed: Weights | None) -> str | None:
+    """Why the operator refuses the trainer's announcement, or None. The weights must come from the job's own
+    trainer: a file in the job's directory (<volume>/<job uid>/...) with the filesystem backend, or trainer rank
+    0's manifest of that version (http://.../weights/<version>) with a collective one; and a version is never
+    older than the committed one (a restarted trainer resumes from the newest version it published)."""
+    uri = urlparse(weights.uri)
+    parts = PurePosixPath(unquote(uri.path)).parts
+    if collective and (uri.scheme != "http" or uri.path != f"/weights/{weights.version}"):
+        return f"announces weights at {weights.uri}, not trainer rank 0's manifest http://<trainer>/weights/<version>"
+    if not collective and (uri.scheme != "file" or ".." in parts or job_uid not in parts[:-1]):
+        return f"announces weights at {weights.uri}, outside the job's own directory (<volume>/{job_uid}/)"
+    if committed is not None and weights.version < committed.version:
+        return (
+            f"announces weights version {weights.version}, older than the committed version {committed.version} "
+            "(a version number names one set of weights and only grows)"
+        )
+    return None
 
 
 def member_of(pod: dict[str, Any], *, reads_initial_weights: bool = True) -> Member:
@@ -98,12 +92,7 @@ def member_of(pod: dict[str, Any], *, reads_initial_weights: bool = True) -> Mem
     loaded = ack.loaded_version if isinstance(ack, Ack) else None
     if loaded is None and reads_initial_weights and keys.INITIAL_WEIGHTS in annotations:
         loaded = json.loads(annotations[keys.INITIAL_WEIGHTS]).get("version")
-    return Member(pod["metadata"]["name"], pod["metadata"]["uid"], True, loaded, annotations.get(keys.BARRIER_ACK))
-
-
-def parse_ack(text: str | None) -> Ack | str | None:
-    """The ack, why it is unusable, or None when there is none."""
-    return read_document(text, Ack)
+    return Member(pod["metadata"]["name"], pod["metadata"]["uid"], loaded, annotations.get(keys.BARRIER_ACK))
 
 
 def step(
@@ -122,25 +111,29 @@ def step(
 ) -> Decision:
     """Advance the barrier by what the member pods say; open one when weights are newer than committed.
 
-    ``sender`` names the member that sends the weights (the trainer, with a collective backend; None when the
-    actors read files). It joins every barrier as rank 0 of the transfer group; the members that need the
-    weights get ``ranks_per_member`` ranks each (their vLLM workers) when the Update phase begins. A sender
-    replaced during the Pause phase, before it sent anything, is waited for and its replacement takes its place;
-    a transfer that breaks (a member of its group left or reported an error) is retried as a new attempt.
+    Protocol 2: a barrier opens in ``Update`` (each member pauses, then loads) and moves to ``Resume`` once
+    every member has loaded, so no member resumes a version before all of them hold it. ``sender`` names the
+    member that sends the weights (the trainer, with a collective backend; None when the actors read files):
+    rank 0 of the transfer group formed when the barrier opens, in which the members that need the weights
+    get ``ranks_per_member`` ranks each (their vLLM workers). A transfer that breaks (a member of its group
+    left or reported an error) is retried as a new attempt that opens in ``Pause``: the members stay paused
+    while it waits for the sender (or its replacement), and its ``Update`` forms a new group.
     """
     decision = Decision(barrier=barrier, committed=committed)
+    seen = {m.name: m for m in members}
     if decision.barrier is None:
-        decision.barrier = _maybe_open(job_uid, committed, announced, members, history, now, timeout_seconds, sender)
+        decision.barrier = _maybe_open(
+            job_uid, committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member
+        )
         if decision.barrier is None:
             return decision
         decision.notes.append(
             f"opened barrier {decision.barrier.id} for weights version {decision.barrier.version} with "
             f"{len(decision.barrier.members)} member(s)"
         )
-    _advance(decision, members, now, timeout_seconds, on_timeout, ranks_per_member)
+    _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
     if decision.barrier is not None:
-        alive = {m.name for m in members if m.alive}
-        decision.commands = {name: decision.barrier.command(name) for name in decision.barrier.members if name in alive}
+        decision.commands = {name: decision.barrier.command(name) for name in decision.barrier.members if name in seen}
     return decision
 
 
@@ -148,45 +141,49 @@ def _maybe_open(
     job_uid: str,
     committed: Weights | None,
     announced: Weights | None,
-    members: list[Member],
+    seen: dict[str, Member],
     history: list[BarrierRecord],
     now: dt.datetime,
     timeout_seconds: float,
     sender: str | None,
+    ranks_per_member: int,
 ) -> BarrierStatus | None:
-    alive = [m for m in members if m.alive and m.name != sender]
-    sending = [m for m in members if m.alive and m.name == sender]
-    if sender is not None and not sending:
+    if sender is not None and sender not in seen:
         return None  # the weights can only come from the sender: wait for it
+    receivers = [m for name, m in seen.items() if name != sender]
     if announced is not None and (committed is None or announced.version > committed.version):
-        target, joining = announced, alive
+        target, joining = announced, receivers
     elif committed is not None:
         # Catch-up: pods that started before the last update reached them.
         target = committed
-        joining = [m for m in alive if m.loaded_version is None or m.loaded_version < committed.version]
+        joining = [m for m in receivers if m.loaded_version is None or m.loaded_version < committed.version]
     else:
         return None
     if not joining:
         return None
     attempt = 1 + sum(1 for record in history if record.version == target.version)
     stamp = rfc3339(now, milliseconds=True)
-    return BarrierStatus(
+    sending = [seen[sender]] if sender is not None else []
+    barrier = BarrierStatus(
         id=f"{job_uid}/{target.version}/{attempt}",
         version=target.version,
         uri=target.uri,
         digest=target.digest,
-        phase=BarrierPhase.PAUSE,
+        phase=BarrierPhase.UPDATE,
         members={m.name: m.uid for m in [*sending, *joining]},
-        transfer_ranks={sender: 0} if sender is not None else {},
+        sender=sender,
         started_at=stamp,
         phase_started_at=stamp,
         deadline=rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True),
     )
+    if sender is not None:
+        _form_transfer_group(barrier, seen, ranks_per_member)
+    return barrier
 
 
 def _advance(
     decision: Decision,
-    members: list[Member],
+    seen: dict[str, Member],
     now: dt.datetime,
     timeout_seconds: float,
     on_timeout: TimeoutAction,
@@ -194,45 +191,80 @@ def _advance(
 ) -> None:
     barrier = decision.barrier
     assert barrier is not None
-    seen = {m.name: m for m in members if m.alive}
     for name, uid in list(barrier.members.items()):
         member = seen.get(name)
         if member is not None and member.uid == uid:
             continue
-        if barrier.phase is BarrierPhase.PAUSE and name in barrier.transfer_ranks:
-            # The sender, before it sent anything: the barrier waits for its replacement (or its deadline).
+        if barrier.phase is BarrierPhase.PAUSE and name == barrier.sender:
+            # A retry waits for the sender (or its replacement) before its Update forms the new group.
             if member is not None:
                 barrier.members[name] = member.uid
-                barrier.acked = [acked for acked in barrier.acked if acked != name]
                 decision.notes.append(f"{name} was replaced; the new pod sends the weights of barrier {barrier.id}")
             continue
         del barrier.members[name]
         decision.notes.append(f"{name} left barrier {barrier.id} (deleted, failed or replaced)")
     while True:
         errors = _collect_acks(decision, seen)
+        cut_off: dict[str, str] = {}
         if (failure := _transfer_failure(barrier, errors)) is not None:
             if _attempt(barrier) < TRANSFER_ATTEMPTS:
                 _retry(decision, now, timeout_seconds, failure)
                 return
-            errors.update(_waiting_for_weights(barrier, failure))
-        pending = [name for name in barrier.members if name not in barrier.acked]
-        if errors or (pending and now >= parse_rfc3339(barrier.deadline)):
-            stragglers = {name: errors.get(name, f"did not ack {barrier.phase.value} in time") for name in pending}
-            stragglers.update(errors)
+            cut_off = _waiting_for_weights(barrier, decision.acked, failure)
+        stragglers = {**_ask_again(decision, {k: v for k, v in errors.items() if k not in cut_off}), **cut_off}
+        pending = [name for name in barrier.members if name not in decision.acked]
+        if now >= parse_rfc3339(barrier.deadline):
+            late = {name: f"did not ack {barrier.phase.value} in time" for name in pending}
+            stragglers = {**late, **stragglers}
+        if stragglers:
             if not _handle_stragglers(decision, stragglers, now, on_timeout):
                 return
             continue
+        if all(name == barrier.sender for name in barrier.members):
+            _abandon(decision, now)
+            return
         if pending:
             return
         if not _next_phase(decision, seen, now, timeout_seconds, ranks_per_member):
             return
 
 
+def _ask_again(decision: Decision, errors: dict[str, str]) -> dict[str, str]:
+    """An error concerns its member alone: ask it again (a new ``retry`` of the same command), up to
+    MEMBER_RETRIES times in a barrier; return the members whose retries are spent, with their errors."""
+    barrier = decision.barrier
+    assert barrier is not None
+    spent = {}
+    for name, error in sorted(errors.items()):
+        tries = barrier.retries.get(name, 0)
+        if tries >= MEMBER_RETRIES:
+            spent[name] = f"{error} (asked {tries + 1} times)"
+            continue
+        barrier.retries[name] = tries + 1
+        decision.notes.append(
+            f"{name} {error} in phase {barrier.phase.value} of barrier {barrier.id}; asking it again "
+            f"(retry {tries + 1} of {MEMBER_RETRIES})"
+        )
+    return spent
+
+
+def _abandon(decision: Decision, now: dt.datetime) -> None:
+    """No member is left to take the weights (all evicted or gone): record the barrier as failed without
+    committing its version. The replacements start from the committed weights and a new barrier brings them on."""
+    barrier = decision.barrier
+    assert barrier is not None
+    decision.record = _record(barrier, BarrierOutcome.FAILED, now)
+    decision.notes.append(
+        f"barrier {barrier.id} has no member left to load weights version {barrier.version}; it is closed "
+        f"without committing that version, and a new barrier opens once the replacements run"
+    )
+    decision.barrier = None
+
+
 def _transfer_failure(barrier: BarrierStatus, errors: dict[str, str]) -> str | None:
-    """Collective backends, before the weights are in place: why this attempt's transfer cannot complete (a
-    member of its group left it or reported an error), or None. The group is the sender from the start, and
-    the receivers from the Update phase on."""
-    if barrier.phase is BarrierPhase.RESUME or not barrier.transfer_ranks:
+    """Collective backends, in the Update phase: why this attempt's transfer cannot complete (a member of its
+    group left it or reported an error), or None."""
+    if barrier.phase is not BarrierPhase.UPDATE or not barrier.transfer_ranks:
         return None
     lost = sorted(name for name in barrier.transfer_ranks if name not in barrier.members)
     failed = sorted(name for name in barrier.transfer_ranks if name in errors)
@@ -250,7 +282,8 @@ def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure
     phase forms a new group. A sender that left is waited for, and its replacement sends."""
     old = decision.barrier
     assert old is not None
-    [sender] = [name for name, rank in old.transfer_ranks.items() if rank == 0]
+    sender = old.sender
+    assert sender is not None
     decision.record = _record(old, BarrierOutcome.FAILED, now)
     stamp = rfc3339(now, milliseconds=True)
     decision.barrier = BarrierStatus(
@@ -260,7 +293,7 @@ def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure
         digest=old.digest,
         phase=BarrierPhase.PAUSE,
         members={**old.members, sender: old.members.get(sender, "")},
-        transfer_ranks={sender: 0},
+        sender=sender,
         started_at=stamp,
         phase_started_at=stamp,
         deadline=rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True),
@@ -272,33 +305,34 @@ def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure
     )
 
 
-def _waiting_for_weights(barrier: BarrierStatus, failure: str) -> dict[str, str]:
+def _waiting_for_weights(barrier: BarrierStatus, acked: list[str], failure: str) -> dict[str, str]:
     """The members that can no longer receive the weights, once the transfer attempts are spent."""
     barrier.transfer_ranks, barrier.transfer_world_size = {}, None
     why = f"cannot receive weights version {barrier.version} after {TRANSFER_ATTEMPTS} attempts: {failure}"
-    return {name: why for name in barrier.members if name not in barrier.acked or barrier.phase is BarrierPhase.PAUSE}
+    return {name: why for name in barrier.members if name not in acked or barrier.phase is BarrierPhase.PAUSE}
 
 
 def _collect_acks(decision: Decision, seen: dict[str, Member]) -> dict[str, str]:
-    """Record valid acks for the current phase; return members whose ack reports an error."""
+    """Record in ``decision.acked`` the members whose ack answers the current phase, in the order of ``seen``;
+    return the members whose ack reports an error."""
     barrier = decision.barrier
     assert barrier is not None
     errors: dict[str, str] = {}
-    for name in barrier.members:
-        if name not in seen:
-            continue  # a sender being replaced
-        ack = parse_ack(seen[name].ack)
+    for name, member in seen.items():
+        if name not in barrier.members:
+            continue
+        ack = parse_ack(member.ack)
         if isinstance(ack, str):
             if barrier.reported.get(name) != ack:
                 barrier.reported[name] = ack
                 decision.notes.append(f"ignored the ack on {name}: it {ack}")
             continue
-        if ack is None or ack.id != barrier.id:
-            continue  # none yet, or stale: from an earlier barrier
+        if ack is None or ack.id != barrier.id or ack.retry != barrier.retries.get(name, 0):
+            continue  # none yet, or stale: from an earlier barrier, or answering an earlier try
         if ack.error:
             errors[name] = f"reported an error: {ack.error}"
-        elif ack.phase == ACK_FOR[barrier.phase] and name not in barrier.acked:
-            barrier.acked.append(name)
+        elif ack.phase == ACK_FOR[barrier.phase] and name not in decision.acked:
+            decision.acked.append(name)
     return errors
 
 
@@ -334,8 +368,8 @@ def _next_phase(
     barrier.phase_seconds[barrier.phase.value] = round(
         (now - parse_rfc3339(barrier.phase_started_at)).total_seconds(), 3
     )
-    if barrier.acked:
-        barrier.slowest[barrier.phase.value] = barrier.acked[-1]
+    if decision.acked:
+        barrier.slowest[barrier.phase.value] = decision.acked[-1]
     following = NEXT_PHASE.get(barrier.phase)
     if following is None:
         decision.committed = barrier.weights()
@@ -347,17 +381,18 @@ def _next_phase(
         decision.barrier = None
         return False
     barrier.phase = following
-    if following is BarrierPhase.UPDATE and barrier.transfer_ranks:
+    if following is BarrierPhase.UPDATE and barrier.sender is not None:
         _form_transfer_group(barrier, seen, ranks_per_member)
     barrier.phase_started_at = rfc3339(now, milliseconds=True)
     barrier.deadline = rfc3339(now + dt.timedelta(seconds=timeout_seconds), milliseconds=True)
-    barrier.acked = []
+    decision.acked = []
     return True
 
 
 def _form_transfer_group(barrier: BarrierStatus, seen: dict[str, Member], ranks_per_member: int) -> None:
     """Rank the members that need the weights after the sender (rank 0), in name order; with none, no group."""
-    [sender] = barrier.transfer_ranks
+    sender = barrier.sender
+    assert sender is not None
     receivers = sorted(
         name for name in barrier.members if name != sender and seen[name].loaded_version != barrier.version
     )

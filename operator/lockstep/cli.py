@@ -1,7 +1,8 @@
 """The ``lockstep`` command line.
 
-- ``lockstep validate FILE [--policy FILE]``: check an RLJob offline against the schema, the CRD's CEL
-  rules and a ParityPolicy, with the messages the API server and the operator would give.
+- ``lockstep validate FILE [--policy FILE] [--data-root DIR]``: check an RLJob offline against the schema, the
+  CRD's CEL rules and a ParityPolicy, with the messages the API server and the operator would give; and its
+  dataset (spec.trainer.dataset) as the trainer reads it, where its files are on this machine.
 - ``lockstep render FILE [--policy FILE]``: the effective vLLM arguments and config fingerprint.
 - ``lockstep status NAME [-n NAMESPACE]``: a job's phase, parity state and barrier history (uses
   $KUBECONFIG).
@@ -36,7 +37,10 @@ def _quoted(value: Any) -> str:
 def _schema_at(path: tuple[str | int, ...]) -> dict[str, Any]:
     node = crds.structural_schema(RLJobSpec)
     for part in path:
-        node = node["items"] if isinstance(part, int) else node.get("properties", {}).get(part, {})
+        if isinstance(part, int):
+            node = node["items"]
+        else:
+            node = node.get("properties", {}).get(part) or node.get("additionalProperties", {})
     return node
 
 
@@ -75,7 +79,7 @@ def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[str]:
 
 def _api_server_message(error: Any) -> str:
     loc: tuple[str | int, ...] = tuple(error["loc"])
-    field = ".".join(["spec", *(str(p) for p in loc)])
+    field = "spec" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
     value, kind, node = error.get("input"), error["type"], _schema_at(loc)
     if kind == "missing":
         return f"{field}: Required value"
@@ -114,8 +118,15 @@ def _policy(path: Path | None) -> ParityPolicy:
     return ParityPolicy.model_validate(_load(path)) if path else default_policy()
 
 
+def object_errors(job: dict[str, Any]) -> list[str]:
+    """What the API server says of the CRD's rules on the whole object (the job's name), in its own words."""
+    rules = {"x-kubernetes-validations": list(api.RLJOB_NAME_RULES)}
+    metadata = {"name": (job.get("metadata") or {}).get("name", "")}
+    return _cel_errors(rules, {"metadata": metadata}, "<nil>")
+
+
 def _config(job: dict[str, Any], policy: ParityPolicy) -> EffectiveConfig | list[str]:
-    errors = schema_errors(job.get("spec") or {})
+    errors = object_errors(job) + schema_errors(job.get("spec") or {})
     if job.get("kind") != "RLJob" or job.get("apiVersion") != api.API_VERSION:
         errors.insert(
             0, f"expected apiVersion {api.API_VERSION} and kind RLJob, got {job.get('apiVersion')}/{job.get('kind')}"
@@ -137,8 +148,34 @@ def validate(args: argparse.Namespace) -> int:
         return 1
     for conflict in config.conflicts:
         print(f"{args.file}: ParityPolicy {name!r} ({enforcement}) differs: {conflict.describe()}")
+    dataset = RLJobSpec.model_validate(_load(args.file)["spec"]).trainer.dataset
+    problems = dataset_problems(dataset, args.data_root) if dataset else []
+    if problems:
+        print(f"{args.file}: the trainer would refuse spec.trainer.dataset:", *problems, sep="\n  ")
+        return 1
     print(f"{args.file}: valid under ParityPolicy {name!r} ({enforcement}); fingerprint {config.fingerprint}")
     return 0
+
+
+def dataset_problems(dataset: api.Dataset, root: Path | None) -> list[str]:
+    """Why the trainer would refuse the files of ``dataset`` (their paths are the trainer pod's; under ``root``
+    when given, as on a local copy of the volume). Files not on this machine are left to the trainer, with a note."""
+    try:
+        from lockstep_workers.dataset import DatasetError, read_rows
+    except ImportError as error:
+        print(f"spec.trainer.dataset not checked: install lockstep[workers] to read datasets here ({error})")
+        return []
+    problems = []
+    for path in filter(None, (dataset.train, dataset.eval)):
+        local = root / path.lstrip("/") if root else Path(path)
+        if not local.exists():
+            print(f"spec.trainer.dataset: {local} is not on this machine; the trainer checks it when it starts")
+            continue
+        try:
+            read_rows(str(local), dataset)
+        except DatasetError as error:
+            problems.append(str(error))
+    return problems
 
 
 def render(args: argparse.Namespace) -> int:
@@ -167,6 +204,10 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
     """A job's phase, conditions, barrier in flight and barrier history, in lines for a terminal."""
     weights = f"weights version {state.get('weightsVersion')}, lag {state.get('lag')}"
     lines = [f"RLJob {name}: {state.get('phase', 'Pending')}, {weights}"]
+    lines.append(
+        f"  restarts {state.get('restarts', 0)} (failures, against spec.maxRestarts), replacements "
+        f"{state.get('replacements', 0)} (spec edits, policy changes, drift, evictions)"
+    )
     for condition in state.get("conditions", []):
         lines.append(f"  {condition['type']}={condition['status']} ({condition['reason']}): {condition['message']}")
     if preflight := state.get("preflight"):
@@ -178,10 +219,19 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
         lines.append(
             f"  trainer's last parity measurement: step {mismatch['step']}, mean |Δlogprob| "
             f"{mismatch['meanAbsLogprobDiff']:.3g} on {mismatch['tokenFraction']:.0%} of its tokens"
+            + (f"; {dropped} stale sample(s) dropped" if (dropped := mismatch.get("staleSamplesDropped")) else "")
+        )
+    if evaluation := state.get("evaluation"):
+        lines.append(
+            f"  trainer's last evaluation: eval reward {evaluation['reward']:.3g} on weights version "
+            f"{evaluation['version']} ({evaluation['rows']} eval rows, greedy)"
         )
     if barrier := state.get("barrier"):
-        acked = f"{len(barrier.get('acked', []))}/{len(barrier['members'])}"
-        lines.append(f"  barrier in flight: version {barrier['version']}, phase {barrier['phase']}, acked {acked}")
+        members = f"{len(barrier['members'])} member(s)"
+        lines.append(
+            f"  barrier in flight: version {barrier['version']}, phase {barrier['phase']} with {members} until "
+            f"{barrier['deadline']} (each member's ack is on its pod: lockstep.dev/barrier-ack)"
+        )
     for record in state.get("barrierHistory", []):
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in record["phaseSeconds"].items())
         took = f"{record['seconds']:.2f} s ({phases})"
@@ -200,6 +250,13 @@ def main(argv: list[str] | None = None) -> None:
         command.add_argument("file", type=Path)
         command.add_argument("--policy", type=Path, help="a ParityPolicy file (default: the shipped default policy)")
         command.set_defaults(handler=handler)
+        if handler is validate:
+            command.add_argument(
+                "--data-root",
+                type=Path,
+                help="where the trainer's volumes are on this machine: its dataset path /data/x.jsonl is read as "
+                "DIR/data/x.jsonl (default: as it is)",
+            )
     command = commands.add_parser("status", help="show a job's phase, parity state and barrier history")
     command.add_argument("name")
     command.add_argument("-n", "--namespace", default="default")

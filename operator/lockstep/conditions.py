@@ -8,6 +8,7 @@ from lockstep.api import Condition, ConditionStatus
 READY = "Ready"
 PARITY_LOCKED = "ParityLocked"
 PARITY_DEGRADED = "ParityDegraded"
+QUEUED = "Queued"  # Kueue: True while the job waits for admission
 # kstatus (Flux, kubectl wait, cli-utils) reads these two beside Ready.
 RECONCILING = "Reconciling"
 STALLED = "Stalled"

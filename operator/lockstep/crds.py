@@ -6,6 +6,7 @@ fails when the committed YAML and the models disagree.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,11 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         rest = {k: v for k, v in node.items() if k != "anyOf"}
         if len(options) == 1:
             return _convert({**options[0], **rest}, defs)
+        if sorted(option.get("type") for option in options) == ["integer", "string"]:
+            # A quantity or a port: Kubernetes' int-or-string, whose string form keeps its pattern.
+            text = next(option for option in options if option["type"] == "string")
+            converted = {key: value for key, value in _convert({**text, **rest}, defs).items() if key != "type"}
+            return {**converted, "x-kubernetes-int-or-string": True}
         # A union of scalars (e.g. str | int | bool) has no structural type: keep it as it is.
         return {**_convert(rest, defs), "x-kubernetes-preserve-unknown-fields": True}
     out: dict[str, Any] = {key: node[key] for key in _KEPT if key in node}
@@ -61,6 +67,10 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         out.update(maximum=node["exclusiveMaximum"], exclusiveMaximum=True)
     if node.get("default") is not None:
         out["default"] = node["default"]
+        if node["default"] not in ("", [], {}) and "description" in out:
+            # kubectl explain shows descriptions only: each one says its default, taken from the model.
+            text = out["description"].rstrip()
+            out["description"] = f"{text if text.endswith('.') else text + '.'} Default: {_shown(node['default'])}."
     if "properties" in node:
         out["properties"] = {
             name: _property(prop, defs, required=name in node.get("required", []))
@@ -78,6 +88,10 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _property(prop: dict[str, Any], defs: dict[str, Any], *, required: bool) -> dict[str, Any]:
     converted = _convert(prop, defs)
     # An optional nested object defaults to {} so that its own field defaults apply (and CEL can read them).
@@ -92,9 +106,9 @@ def _is_model_ref(prop: dict[str, Any]) -> bool:
 
 def _resource_schema(spec: type[BaseModel], status: type[BaseModel] | None) -> dict[str, Any]:
     properties: dict[str, Any] = {
-        "apiVersion": {"type": "string"},
-        "kind": {"type": "string"},
-        "metadata": {"type": "object"},
+        "apiVersion": {"type": "string", "description": f"The schema version of this object: {api.API_VERSION}."},
+        "kind": {"type": "string", "description": "The REST resource this object represents."},
+        "metadata": {"type": "object"},  # the API server describes it; a CRD may say nothing more
         "spec": structural_schema(spec),
     }
     if status is not None:
@@ -115,7 +129,10 @@ def rljob_crd() -> dict[str, Any]:
         kind="RLJob",
         scope="Namespaced",
         short_names=["rlj"],
-        schema={**_resource_schema(api.RLJobSpec, api.RLJobStatus), **api.validations(api.RLJOB_NAME_RULE)},
+        schema={
+            **_resource_schema(api.RLJobSpec, api.RLJobStatus),
+            **api.validations(api.RLJOB_NAME_RULE, api.RLJOB_NAME_LABEL_RULE),
+        },
         columns=[
             {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
             {
@@ -131,6 +148,12 @@ def rljob_crd() -> dict[str, Any]:
                 "description": "ready/desired trainer pods",
             },
             {"name": "Weights", "type": "integer", "jsonPath": ".status.weightsVersion"},
+            {
+                "name": "Queue",
+                "type": "string",
+                "jsonPath": ".status.queue.localQueue",
+                "description": "the Kueue LocalQueue the job waits or runs in",
+            },
             _condition_column("Parity", "ParityLocked"),
             _condition_column("Ready", "Ready"),
             AGE_COLUMN,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep import keys
@@ -16,15 +17,20 @@ from lockstep.api import API_VERSION, PodOverrides, RLJobSpec
 from lockstep.parity import EffectiveConfig, vllm_cli_args
 
 ACTOR_PORT = 8000
+ACTOR_PORT_NAME = "http"
+"""The actor Service's port, by which the trainer finds the actors' port in the Service's EndpointSlices."""
 TRAINER_PORT = 29500
 TRAINER_METRICS_PORT = 9400
 WEIGHTS_PORT = 9500
 """Collective backends: trainer rank 0 serves each version's manifest here (lockstep_workers.transfer)."""
 WEIGHTS_GROUP_PORT = 9501
 """Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0."""
+WORKER_UID = 10001
+"""The uid and gid Lockstep's worker images run as (images/); the pods' fsGroup, so volumes they write are theirs."""
 CONFIG_MOUNT = "/etc/lockstep"
 CONFIG_FILE = "effective-config.json"
 SHARED_MOUNT = "/var/lib/lockstep"
+GPU = "nvidia.com/gpu"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,22 @@ class JobRef:
         }
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Node labels and tolerations a role's pods must carry beside their own (Kueue's admitted flavors)."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+Placements = Mapping[str, Placement]
+"""Role → the placement of its pods (a role not named: none)."""
+
+
+def _placement(placements: Placements | None, role: str) -> Placement:
+    return (placements or {}).get(role) or Placement()
+
+
 def pod_name(job: str, role: str, index: int) -> str:
     return f"{job}-{role}-{index}"
 
@@ -81,7 +103,8 @@ def worker_account_name(job: str) -> str:
 
 
 def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
-    """The identity the job's pods run as: it may read and patch the job's own pods and nothing else.
+    """The identity the job's pods run as: it may read and patch the job's own pods, and list and watch the
+    namespace's EndpointSlices (where the trainer finds the actors), and nothing else.
 
     RBAC cannot say "only your own pod, only your ack annotation": the ValidatingAdmissionPolicy in
     crds/admission-barrier.yaml narrows each patch to the caller's own pod and its own keys.
@@ -100,7 +123,10 @@ def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
                     "resources": ["pods"],
                     "resourceNames": sorted(pod_names),
                     "verbs": ["get", "list", "watch", "patch"],
-                }
+                },
+                # The trainer finds the actors in their Service's EndpointSlices (lockstep_workers.rollouts). RBAC
+                # cannot name slices by label: it reads the namespace's, and asks only for the job's by selector.
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
             ],
         },
         {
@@ -140,7 +166,7 @@ def services(job: JobRef) -> list[dict[str, Any]]:
         "metadata": job.metadata(actor_service_name(job.name), keys.ACTOR),
         "spec": {
             "selector": job.labels(keys.ACTOR),
-            "ports": [{"name": "http", "port": ACTOR_PORT, "targetPort": ACTOR_PORT}],
+            "ports": [{"name": ACTOR_PORT_NAME, "port": ACTOR_PORT, "targetPort": ACTOR_PORT}],
         },
     }
     trainer = {
@@ -157,14 +183,38 @@ def services(job: JobRef) -> list[dict[str, Any]]:
     return [actors, trainer]
 
 
-def pods(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> list[dict[str, Any]]:
+def network_policy_name(job: str) -> str:
+    return f"{job}-isolation"
+
+
+def network_policy(job: JobRef, spec: RLJobSpec) -> dict[str, Any]:
+    """Ingress to the job's pods from its own pods only (every port), and from spec.networkPolicy.metricsFrom to
+    the metrics ports; the pods select by the labels every child of the job carries."""
+    own = {"podSelector": {"matchLabels": job.labels()}}
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
+    if spec.network_policy.metrics_from:
+        ports = [{"protocol": "TCP", "port": port} for port in (ACTOR_PORT, TRAINER_METRICS_PORT)]
+        ingress.append({"from": spec.network_policy.metrics_from, "ports": ports})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": job.metadata(network_policy_name(job.name)),
+        "spec": {"podSelector": own["podSelector"], "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def pods(
+    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, placements: Placements | None = None
+) -> list[dict[str, Any]]:
     """Every pod the job should have, actors first."""
-    actors = [actor_pod(job, spec, config, index) for index in range(spec.actors.replicas)]
-    trainers = [trainer_pod(job, spec, config, rank) for rank in range(spec.trainer.replicas)]
+    actors = [actor_pod(job, spec, config, index, placements) for index in range(spec.actors.replicas)]
+    trainers = [trainer_pod(job, spec, config, rank, placements) for rank in range(spec.trainer.replicas)]
     return actors + trainers
 
 
-def preflight_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> dict[str, Any]:
+def preflight_pod(
+    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, placements: Placements | None = None
+) -> dict[str, Any]:
     """The pod that checks train-inference parity under the job's effective configuration before training;
     it writes what it measured on itself (lockstep.dev/preflight) and exits."""
     rollout = spec.trainer.rollout
@@ -182,25 +232,41 @@ def preflight_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> dict
             f"--top-p={rollout.top_p}",
         ],
     }
-    return _pod(job, spec, spec.actors, config, keys.PREFLIGHT_ROLE, 0, container, hostname=None)
+    placement = _placement(placements, keys.PREFLIGHT_ROLE)
+    return _pod(job, spec, spec.actors, config, keys.PREFLIGHT_ROLE, 0, container, placement, hostname=None)
 
 
-def actor_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int) -> dict[str, Any]:
+def actor_pod(
+    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int, placements: Placements | None = None
+) -> dict[str, Any]:
     args = [f"--model={spec.model.uri}", f"--port={ACTOR_PORT}", *vllm_cli_args(config.vllm)]
     container = {
         "name": keys.ACTOR,
         "image": spec.actors.image,
         "command": ["python", "-m", "lockstep_workers.actor"],
         "args": args,
-        "ports": [{"name": "http", "containerPort": ACTOR_PORT}],
+        "ports": [{"name": ACTOR_PORT_NAME, "containerPort": ACTOR_PORT}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": ACTOR_PORT}, "periodSeconds": 5},
     }
-    return _pod(job, spec, spec.actors, config, keys.ACTOR, index, container, hostname=None)
+    if spec.weight_sync.backend.collective:  # the only manifest server an actor accepts weights from
+        container["env"] = [
+            {"name": "LOCKSTEP_WEIGHTS_HOST", "value": trainer_host(job)},
+            {"name": "LOCKSTEP_WEIGHTS_PORT", "value": str(WEIGHTS_PORT)},
+        ]
+    placement = _placement(placements, keys.ACTOR)
+    return _pod(job, spec, spec.actors, config, keys.ACTOR, index, container, placement, hostname=None)
 
 
-def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int) -> dict[str, Any]:
+def trainer_host(job: JobRef) -> str:
+    """The stable DNS name of trainer rank 0 (the headless trainer Service)."""
+    return f"{pod_name(job.name, keys.TRAINER, 0)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
+
+
+def trainer_pod(
+    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int, placements: Placements | None = None
+) -> dict[str, Any]:
     settings = spec.trainer.training().model_dump_json(by_alias=True)
-    master = f"{pod_name(job.name, keys.TRAINER, 0)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
+    master = trainer_host(job)
     ports = [
         {"name": "rendezvous", "containerPort": TRAINER_PORT},
         {"name": "metrics", "containerPort": TRAINER_METRICS_PORT},
@@ -211,8 +277,10 @@ def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int
         {"name": "MASTER_PORT", "value": str(TRAINER_PORT)},
         {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
         {"name": "RANK", "value": str(rank)},
-        {"name": "LOCKSTEP_ACTORS_URL", "value": f"http://{actor_service_name(job.name)}:{ACTOR_PORT}"},
+        {"name": "LOCKSTEP_ACTORS_SERVICE", "value": actor_service_name(job.name)},
     ]
+    if requests_gpu(spec.trainer):  # one rank per pod: it computes on the pod's first GPU
+        env.append({"name": "LOCAL_RANK", "value": "0"})
     if spec.weight_sync.backend.collective:  # rank 0 sends the weights: the actors reach it here
         ports += [
             {"name": "weights", "containerPort": WEIGHTS_PORT},
@@ -230,9 +298,13 @@ def trainer_pod(job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int
         "args": [f"--model={spec.model.uri}", f"--settings={settings}"],
         "ports": ports,
         "env": env,
+        # A trainer that stops on the job's own settings (a dataset it cannot read) says why in its last log line;
+        # the kubelet keeps it as the container's termination message, which the operator quotes in the status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     hostname = pod_name(job.name, keys.TRAINER, rank)
-    return _pod(job, spec, spec.trainer, config, keys.TRAINER, rank, container, hostname=hostname)
+    placement = _placement(placements, keys.TRAINER)
+    return _pod(job, spec, spec.trainer, config, keys.TRAINER, rank, container, placement, hostname=hostname)
 
 
 def _pod(
@@ -243,6 +315,7 @@ def _pod(
     role: str,
     index: int,
     container: dict[str, Any],
+    placement: Placement,
     hostname: str | None,
 ) -> dict[str, Any]:
     name = pod_name(job.name, role, index)
@@ -257,6 +330,10 @@ def _pod(
     ]
     mounts = [{"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}}]
+    own_shm = any(mount.get("mountPath") == "/dev/shm" for mount in overrides.volume_mounts or [])
+    if requests_gpu(overrides) and not own_shm:  # NCCL's shared-memory transport outgrows the runtime's 64 MiB
+        mounts.append({"name": "lockstep-shm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "lockstep-shm", "emptyDir": {"medium": "Memory"}})
     shared = _shared_volume(spec, role)
     if shared is not None:
         # The trainer writes weights here; the other pods only read them.
@@ -265,30 +342,38 @@ def _pod(
         env.append({"name": "LOCKSTEP_SHARED_DIR", "value": f"{SHARED_MOUNT}/{job.uid}"})
     container = {
         **container,
-        "env": [*env, *(overrides.env or [])],
-        "resources": overrides.resources or {},
+        "env": [*env, *(variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or [])],
+        "resources": overrides.resources.model_dump(by_alias=True, exclude_none=True) if overrides.resources else {},
         "volumeMounts": [*mounts, *(overrides.volume_mounts or [])],
     }
     pod_spec: dict[str, Any] = {
         # The operator, not the kubelet, restarts failed pods, so that maxRestarts counts every failure.
         "restartPolicy": "Never",
+        "securityContext": {"fsGroup": WORKER_UID},
         "serviceAccountName": worker_account_name(job.name),
         "containers": [container],
         "volumes": [*volumes, *(overrides.volumes or [])],
     }
     if hostname:
         pod_spec.update(hostname=hostname, subdomain=trainer_service_name(job.name))
-    for field, value in (
-        ("nodeSelector", overrides.node_selector),
-        ("tolerations", overrides.tolerations),
+    for key, value in (
+        ("nodeSelector", {**(overrides.node_selector or {}), **placement.node_selector}),
+        ("tolerations", [*(overrides.tolerations or []), *placement.tolerations]),
         ("affinity", overrides.affinity),
     ):
         if value:
-            pod_spec[field] = value
+            pod_spec[key] = value
     metadata = job.metadata(name, role)
     metadata["labels"][keys.INDEX] = str(index)
     metadata["annotations"] = {keys.CONFIG_FINGERPRINT: config.fingerprint, keys.TEMPLATE_HASH: _hash(pod_spec)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def requests_gpu(overrides: PodOverrides) -> bool:
+    """Whether the role's pods request NVIDIA GPUs (in their resources' limits or requests). Their NCCL_* settings
+    are the role's own env, passed through as it is."""
+    resources = overrides.resources
+    return resources is not None and any(GPU in (amounts or {}) for amounts in (resources.limits, resources.requests))
 
 
 def _shared_volume(spec: RLJobSpec, role: str) -> dict[str, Any] | None:

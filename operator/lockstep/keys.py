@@ -21,6 +21,7 @@ BARRIER = f"{DOMAIN}/barrier"  # on member pods, by the operator only
 BARRIER_ACK = f"{DOMAIN}/barrier-ack"  # on member pods, by that pod only
 # Train-inference parity, as the trainer measured it on its last step.
 MISMATCH = f"{DOMAIN}/mismatch"  # on trainer rank 0, by the trainer
+EVALUATION = f"{DOMAIN}/evaluation"  # on trainer rank 0, by the trainer: its last evaluation (spec.trainer.eval)
 PREFLIGHT = f"{DOMAIN}/preflight"  # on the preflight pod, by that pod: the parity it measured
 
 ACTOR = "actor"
@@ -34,5 +35,9 @@ POD_SELECTOR = f"{MANAGED_BY}={MANAGER}"
 OPERATOR_NAMESPACE = "lockstep-system"
 OPERATOR_SERVICE_ACCOUNT = "lockstep-operator"
 OPERATOR_USERNAME = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}"
-# What a service-account token bound to a pod carries: the name of that pod.
+# What a service-account token bound to a pod carries: the name and UID of that pod.
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+# Members of this group may write every Lockstep annotation and label on Lockstep's pods, to repair one by hand
+# (crds/admission-barrier.yaml; docs/barrier-protocol.md).
+BREAK_GLASS_GROUP = "lockstep:break-glass"

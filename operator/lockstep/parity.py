@@ -6,6 +6,7 @@ Pure functions; the operator feeds them what it read from the API server.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -88,8 +89,9 @@ class EffectiveConfig:
     model: dict[str, Any]
     conflicts: list[Conflict] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
+        """sha256 of the document (computed once: every desired pod of every pass carries it)."""
         canonical = json.dumps(self.document(), sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -9,7 +9,9 @@ from typing import Any
 from lupa.lua51 import LuaRuntime
 from test_reconcile import plan_for, settle, status_of
 
-from factories import job, running
+from factories import NOW, job, policy, running
+from lockstep import kueue
+from lockstep.reconcile import KueueView, Observed, reconcile
 
 SCRIPT = Path(__file__).resolve().parents[2] / "charts" / "lockstep" / "argocd-health.lua"
 
@@ -54,3 +56,11 @@ def test_failed_is_degraded_succeeded_is_healthy_suspended_is_suspended() -> Non
     )
     suspended = {**body, "spec": {**body["spec"], "suspend": True}}
     assert health(suspended)[0] == "Suspended"
+
+
+def test_a_job_waiting_in_a_kueue_queue_is_suspended() -> None:
+    body = job()
+    body["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team-queue"}
+    queued = {**body, "status": status_of(reconcile(Observed(body, [], [policy()], {}, NOW, kueue=KueueView())))}
+    status, message = health(queued)
+    assert status == "Suspended" and message.startswith("waiting in LocalQueue team-queue")

@@ -7,8 +7,9 @@ import datetime as dt
 import json
 
 from factories import NOW
-from lockstep.api import Ack, BarrierPhase, BarrierStatus, TimeoutAction, Weights
-from lockstep.barrier import Decision, Member, step
+from lockstep.api import BarrierStatus, TimeoutAction
+from lockstep.barrier import MEMBER_RETRIES, Decision, Member, step
+from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights
 
 V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1")
 V2 = Weights(version=2, uri="file:///w/v2", digest="sha256:2")
@@ -19,7 +20,7 @@ def ack(barrier: BarrierStatus, phase: str, **extra: object) -> str:
 
 
 def members(acks: dict[str, str | None], loaded: int | None = None) -> list[Member]:
-    return [Member(name, f"uid-{name}", True, loaded, text) for name, text in acks.items()]
+    return [Member(name, f"uid-{name}", loaded, text) for name, text in acks.items()]
 
 
 def run(
@@ -48,38 +49,40 @@ def run(
     )
 
 
-def test_announced_weights_open_a_barrier_that_pauses_every_member() -> None:
+def test_announced_weights_open_a_barrier_that_updates_every_member() -> None:
     decision = run(None, {"a": None, "b": None})
     assert decision.barrier is not None and decision.barrier.id == "job/1/1"
     assert {name: c.phase for name, c in decision.commands.items()} == {
-        "a": BarrierPhase.PAUSE,
-        "b": BarrierPhase.PAUSE,
-    }
+        "a": BarrierPhase.UPDATE,
+        "b": BarrierPhase.UPDATE,
+    }, "protocol 2: each member pauses, then loads, on one command"
     assert run(None, {"a": None}, committed=V1, loaded=1).barrier is None, "nothing newer than committed: no barrier"
 
 
 def test_phases_advance_only_when_every_member_acked_and_history_names_the_slowest() -> None:
     barrier = run(None, {"a": None, "b": None}).barrier
     assert barrier is not None
-    half = run(barrier.model_copy(deep=True), {"a": ack(barrier, "Paused"), "b": None}, seconds=1)
-    assert half.barrier is not None and half.barrier.phase is BarrierPhase.PAUSE
-    both = run(half.barrier, {"a": ack(barrier, "Paused"), "b": ack(barrier, "Paused")}, seconds=2)
-    assert both.barrier is not None and both.barrier.phase is BarrierPhase.UPDATE
-    updated = run(both.barrier, {n: ack(barrier, "Updated", loaded_version=1) for n in "ab"}, seconds=3)
+    a_loaded = ack(barrier, "Updated", loaded_version=1)
+    half = run(barrier.model_copy(deep=True), {"a": a_loaded, "b": None}, seconds=1)
+    assert half.barrier is not None and half.barrier.phase is BarrierPhase.UPDATE
+    assert {c.phase for c in half.commands.values()} == {BarrierPhase.UPDATE}, "nobody resumes before all loaded"
+    updated = run(half.barrier, {"a": a_loaded, "b": ack(barrier, "Updated", loaded_version=1)}, seconds=3)
     assert updated.barrier is not None and updated.barrier.phase is BarrierPhase.RESUME
     assert updated.committed is None, "weights count as committed only once every member resumed"
     done = run(updated.barrier, {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}, seconds=5)
     assert done.barrier is None and done.committed == V1
     assert done.record is not None
-    assert done.record.phase_seconds == {"Pause": 2.0, "Update": 1.0, "Resume": 2.0}
+    assert done.record.phase_seconds == {"Update": 3.0, "Resume": 2.0}
     assert done.record.slowest_pod == "b" and done.record.seconds == 5.0
 
 
 def test_stale_and_unreadable_acks_are_ignored_and_reported_once() -> None:
     barrier = run(None, {"a": None}).barrier
     assert barrier is not None
-    stale = json.dumps({"protocol": 1, "id": "job/0/1", "phase": "Paused"})
-    assert run(barrier.model_copy(deep=True), {"a": stale}).barrier.phase is BarrierPhase.PAUSE  # type: ignore[union-attr]
+    stale = json.dumps({"protocol": PROTOCOL, "id": "job/0/1", "phase": "Updated"})
+    assert run(barrier.model_copy(deep=True), {"a": stale}).barrier.phase is BarrierPhase.UPDATE  # type: ignore[union-attr]
+    old = json.dumps({"protocol": 1, "id": barrier.id, "phase": "Updated"})
+    assert any("speaks barrier protocol 1; this version speaks 2" in n for n in run(barrier, {"a": old}).notes)
     first = run(barrier, {"a": "{oops"})
     assert any("ignored the ack on a: it is not a valid Ack document" in note for note in first.notes)
     again = run(first.barrier, {"a": "{oops"})
@@ -89,10 +92,10 @@ def test_stale_and_unreadable_acks_are_ignored_and_reported_once() -> None:
 def test_timeout_fails_the_job_naming_the_straggler() -> None:
     barrier = run(None, {"a": None, "b": None}).barrier
     assert barrier is not None
-    decision = run(barrier, {"a": ack(barrier, "Paused"), "b": None}, seconds=31)
+    decision = run(barrier, {"a": ack(barrier, "Updated", loaded_version=1), "b": None}, seconds=31)
     assert decision.barrier is None and decision.record is not None and decision.record.outcome == "Failed"
     assert decision.failed == (
-        "weight update to version 1 failed in phase Pause: b did not ack Pause in time "
+        "weight update to version 1 failed in phase Update: b did not ack Update in time "
         "(spec.weightSync.onTimeout: FailJob)"
     )
 
@@ -100,27 +103,62 @@ def test_timeout_fails_the_job_naming_the_straggler() -> None:
 def test_evict_straggler_goes_on_without_it() -> None:
     barrier = run(None, {"a": None, "b": None}, on_timeout=TimeoutAction.EVICT_STRAGGLER).barrier
     assert barrier is not None
-    decision = run(
-        barrier, {"a": ack(barrier, "Paused"), "b": None}, seconds=31, on_timeout=TimeoutAction.EVICT_STRAGGLER
-    )
+    a_loaded = ack(barrier, "Updated", loaded_version=1)
+    decision = run(barrier, {"a": a_loaded, "b": None}, seconds=31, on_timeout=TimeoutAction.EVICT_STRAGGLER)
     assert decision.evict == ["b"] and decision.failed is None
-    assert decision.barrier is not None and decision.barrier.phase is BarrierPhase.UPDATE
+    assert decision.barrier is not None and decision.barrier.phase is BarrierPhase.RESUME
     assert list(decision.commands) == ["a"]
 
 
-def test_an_error_ack_is_a_straggler_at_once() -> None:
-    barrier = run(None, {"a": None}).barrier
+def test_an_error_concerns_its_member_alone_which_is_asked_again() -> None:
+    pods: dict[str, str | None] = {"a": None, "b": None, "c": None, "d": None}
+    barrier = run(None, pods, on_timeout=TimeoutAction.EVICT_STRAGGLER).barrier
     assert barrier is not None
-    paused = run(barrier, {"a": ack(barrier, "Paused")}).barrier
-    assert paused is not None
-    decision = run(paused, {"a": ack(paused, "Updated", error="OSError: digest mismatch")})
-    assert decision.failed is not None and "a reported an error: OSError: digest mismatch" in decision.failed
+    acks = {**pods, "a": ack(barrier, "Updated", loaded_version=1), "b": ack(barrier, "Updated", error="transient")}
+    decision = run(barrier.model_copy(deep=True), acks, seconds=5, on_timeout=TimeoutAction.EVICT_STRAGGLER)
+    assert decision.failed is None and not decision.evict, "one error ack evicts nobody else"
+    assert decision.barrier is not None and set(decision.barrier.members) == set(pods)
+    assert {name: c.retry for name, c in decision.commands.items()} == {"a": 0, "b": 1, "c": 0, "d": 0}
+    assert any("b reported an error: transient" in note and "retry 1 of 2" in note for note in decision.notes)
+    again = run(decision.barrier.model_copy(deep=True), acks, seconds=6, on_timeout=TimeoutAction.EVICT_STRAGGLER)
+    assert again.barrier is not None and again.barrier.retries == {"b": 1}, "the old error ack answers retry 0"
+    failed_job = run(barrier, acks, seconds=5)
+    assert failed_job.failed is None, "under FailJob too, an error is first asked again"
+
+
+def test_a_member_whose_retries_are_spent_is_the_only_straggler() -> None:
+    pods: dict[str, str | None] = {"a": None, "b": None, "c": None}
+    for on_timeout in TimeoutAction:
+        barrier = run(None, pods, on_timeout=on_timeout).barrier
+        assert barrier is not None
+        barrier.retries = {"b": MEMBER_RETRIES}
+        b_failed = ack(barrier, "Updated", error="boom", retry=MEMBER_RETRIES)
+        acks = {**pods, "a": ack(barrier, "Updated", loaded_version=1), "b": b_failed}
+        decision = run(barrier, acks, on_timeout=on_timeout)
+        if on_timeout is TimeoutAction.FAIL_JOB:
+            assert decision.failed is not None and "b reported an error: boom (asked 3 times)" in decision.failed
+            assert "c " not in decision.failed, "c has until the deadline"
+        else:
+            assert decision.evict == ["b"] and decision.barrier is not None
+            assert set(decision.barrier.members) == {"a", "c"} and decision.barrier.phase is BarrierPhase.UPDATE
+
+
+def test_a_barrier_left_without_members_is_not_completed() -> None:
+    barrier = run(None, {"a": None, "b": None}, on_timeout=TimeoutAction.EVICT_STRAGGLER).barrier
+    assert barrier is not None
+    decision = run(barrier, {"a": None, "b": None}, seconds=31, on_timeout=TimeoutAction.EVICT_STRAGGLER)
+    assert sorted(decision.evict) == ["a", "b"]
+    assert decision.barrier is None and decision.committed is None, "no pod loaded version 1: nothing is committed"
+    assert decision.record is not None and decision.record.outcome == "Failed"
+    assert any("no member left" in note for note in decision.notes)
+    gone = run(barrier.model_copy(deep=True), [], on_timeout=TimeoutAction.EVICT_STRAGGLER)
+    assert gone.barrier is None and gone.committed is None and gone.record is not None
 
 
 def test_a_replaced_member_leaves_and_a_lagging_pod_catches_up() -> None:
     barrier = run(None, {"a": None, "b": None}).barrier
     assert barrier is not None
-    replaced = [Member("a", "uid-a", True, None, ack(barrier, "Paused")), Member("b", "uid-new", True, None, None)]
+    replaced = [Member("a", "uid-a", None, ack(barrier, "Paused")), Member("b", "uid-new", None, None)]
     decision = run(barrier, replaced)
     assert decision.barrier is not None and list(decision.barrier.members) == ["a"]
     catch_up = run(None, {"late": None}, committed=V2, announced=V2, loaded=1)
@@ -131,29 +169,26 @@ def test_a_replaced_member_leaves_and_a_lagging_pod_catches_up() -> None:
 def test_a_collective_barrier_ranks_the_sender_first_and_the_receivers_by_name_in_the_update_phase() -> None:
     pods = {"trainer": None, "b": None, "a": None}
     assert run(None, {"a": None, "b": None}, sender="trainer").barrier is None, "no sender, no barrier"
-    barrier = run(None, pods, sender="trainer").barrier
-    assert barrier is not None and set(barrier.members) == {"trainer", "a", "b"}
-    assert all(c.group is None for c in run(barrier.model_copy(deep=True), pods, sender="trainer").commands.values())
-    update = run(barrier, {n: ack(barrier, "Paused") for n in pods}, sender="trainer")
+    update = run(None, pods, sender="trainer")
+    barrier = update.barrier
+    assert barrier is not None and set(barrier.members) == {"trainer", "a", "b"} and barrier.sender == "trainer"
     groups = {name: command.group for name, command in update.commands.items()}
     assert {name: (g.rank_offset, g.world_size) for name, g in groups.items() if g} == {
         "trainer": (0, 5),
         "a": (1, 5),
         "b": (3, 5),
     }, "each actor holds ranks_per_member ranks (its vLLM workers)"
-    assert update.barrier is not None
-    resume = run(update.barrier, {n: ack(barrier, "Updated", loaded_version=1) for n in pods}, sender="trainer")
+    resume = run(barrier, {n: ack(barrier, "Updated", loaded_version=1) for n in pods}, sender="trainer")
     assert all(c.group is None for c in resume.commands.values()), "the group exists only in the Update phase"
 
 
 def test_a_broken_transfer_is_retried_in_a_new_group_then_its_receivers_are_stragglers() -> None:
     pods: dict[str, str | None] = {"trainer": None, "a": None, "b": None}
-    barrier = run(None, pods, sender="trainer").barrier
-    assert barrier is not None
-    update = run(barrier, {n: ack(barrier, "Paused") for n in pods}, sender="trainer").barrier
+    update = run(None, pods, sender="trainer").barrier
     assert update is not None and update.transfer_ranks == {"trainer": 0, "a": 1, "b": 3}
-    a_has_it = Member("a", "uid-a", True, 1, ack(barrier, "Updated", loaded_version=1))
-    retried = run(update.model_copy(deep=True), [a_has_it, Member("b", "uid-b", True, None, None)], sender="trainer")
+    barrier = update
+    a_has_it = Member("a", "uid-a", 1, ack(barrier, "Updated", loaded_version=1))
+    retried = run(update.model_copy(deep=True), [a_has_it, Member("b", "uid-b", None, None)], sender="trainer")
     assert retried.failed is None and not retried.evict, "the trainer pod is gone: retry, do not give up"
     assert retried.record is not None and retried.record.outcome == "Failed"
     again = retried.barrier
@@ -161,16 +196,16 @@ def test_a_broken_transfer_is_retried_in_a_new_group_then_its_receivers_are_stra
     assert set(again.members) == {"trainer", "a", "b"} and set(retried.commands) == {"a", "b"}
     assert any("retrying as barrier job/1/2 with a new transfer group" in note for note in retried.notes)
 
-    new_trainer = Member("trainer", "uid-t2", True, None, ack(again, "Paused"))
-    paused = [new_trainer, Member("a", "uid-a", True, 1, ack(again, "Paused"))]
-    paused.append(Member("b", "uid-b", True, None, ack(again, "Paused")))
+    new_trainer = Member("trainer", "uid-t2", None, ack(again, "Paused"))
+    paused = [new_trainer, Member("a", "uid-a", 1, ack(again, "Paused"))]
+    paused.append(Member("b", "uid-b", None, ack(again, "Paused")))
     regrouped = run(again, paused, sender="trainer").barrier
     assert regrouped is not None and regrouped.phase is BarrierPhase.UPDATE
     assert regrouped.transfer_ranks == {"trainer": 0, "b": 1}, "a already holds version 1: no rank for it"
 
     last = regrouped.model_copy(update={"id": "job/1/3"}, deep=True)
-    updated = Member("a", "uid-a", True, 1, ack(last, "Updated", loaded_version=1))
-    waiting = [updated, Member("b", "uid-b", True, None, None)]  # the trainer is gone once more
+    updated = Member("a", "uid-a", 1, ack(last, "Updated", loaded_version=1))
+    waiting = [updated, Member("b", "uid-b", None, None)]  # the trainer is gone once more
     evicted = run(last.model_copy(deep=True), waiting, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER)
     assert evicted.evict == ["b"], "a has its weights; b never will"
     failed = run(last, waiting, sender="trainer")
@@ -184,28 +219,32 @@ def test_a_catch_up_barrier_joins_the_lagging_pod_and_the_sender() -> None:
     barrier = run(None, {"trainer": None, "a": None}, sender="trainer", committed=V1, announced=V1, loaded=1).barrier
     assert barrier is None, "nobody lags: no catch-up barrier"
     late = [
-        Member("trainer", "uid-trainer", True, 1, None),
-        Member("a", "uid-a", True, 1, None),
-        Member("new", "uid-new", True, None, None),
+        Member("trainer", "uid-trainer", 1, None),
+        Member("a", "uid-a", 1, None),
+        Member("new", "uid-new", None, None),
     ]
     opened = run(None, late, committed=V1, announced=V1, sender="trainer").barrier
     assert opened is not None and set(opened.members) == {"trainer", "new"}, "a catch-up barrier for the new pod"
 
 
-def test_a_sender_replaced_before_it_sent_anything_is_waited_for_and_its_replacement_sends() -> None:
+def test_a_sender_lost_mid_update_is_waited_for_in_a_paused_retry_and_its_replacement_sends() -> None:
     pods: dict[str, str | None] = {"trainer": None, "a": None}
     barrier = run(None, pods, sender="trainer").barrier
-    assert barrier is not None
-    waiting = run(barrier.model_copy(deep=True), {"a": ack(barrier, "Paused")}, sender="trainer")
+    assert barrier is not None and barrier.phase is BarrierPhase.UPDATE
+    gone = run(barrier.model_copy(deep=True), {"a": None}, sender="trainer")
+    retry = gone.barrier
+    assert retry is not None and retry.id == "job/1/2" and retry.phase is BarrierPhase.PAUSE
+    assert {name: c.phase for name, c in gone.commands.items()} == {"a": BarrierPhase.PAUSE}, "a stays paused"
+    waiting = run(retry.model_copy(deep=True), {"a": ack(retry, "Paused")}, sender="trainer")
     assert waiting.failed is None and not waiting.evict and list(waiting.commands) == ["a"]
     assert waiting.barrier is not None and waiting.barrier.phase is BarrierPhase.PAUSE
     replaced = [
-        Member("trainer", "uid-new", True, None, None),
-        Member("a", "uid-a", True, None, ack(barrier, "Paused")),
+        Member("trainer", "uid-new", None, None),
+        Member("a", "uid-a", None, ack(retry, "Paused")),
     ]
-    adopted = run(waiting.barrier, replaced, sender="trainer")
+    adopted = run(waiting.barrier.model_copy(deep=True), replaced, sender="trainer")
     assert adopted.barrier is not None and adopted.barrier.members["trainer"] == "uid-new"
     assert adopted.commands["trainer"].phase is BarrierPhase.PAUSE, "the new sender is asked to pause first"
     assert any("the new pod sends the weights" in note for note in adopted.notes)
-    late = run(waiting.barrier, {"a": ack(barrier, "Paused")}, sender="trainer", seconds=31)
+    late = run(waiting.barrier, {"a": ack(retry, "Paused")}, sender="trainer", seconds=31)
     assert late.failed is not None and "trainer did not ack Pause in time" in late.failed

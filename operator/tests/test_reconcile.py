@@ -13,6 +13,7 @@ from factories import NOW, REWARD, job, policy, running
 from lockstep import keys
 from lockstep.api import Phase
 from lockstep.conditions import PARITY_LOCKED, READY, find
+from lockstep.protocol import PROTOCOL
 from lockstep.reconcile import Observed, Plan, reconcile, restart_backoff_seconds
 
 
@@ -48,9 +49,17 @@ def condition(plan: Plan, type_: str) -> tuple[str, str]:
 def test_new_job_creates_its_pods_and_children() -> None:
     plan = plan_for(job())
     assert [p["metadata"]["name"] for p in plan.create_pods] == ["demo-actor-0", "demo-actor-1", "demo-trainer-0"]
-    assert {c["kind"] for c in plan.children} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service"}
+    kinds = {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "NetworkPolicy"}
+    assert {c["kind"] for c in plan.children} == kinds
     role = next(c for c in plan.children if c["kind"] == "Role")
     assert role["rules"][0]["resourceNames"] == ["demo-actor-0", "demo-actor-1", "demo-trainer-0"]
+    assert role["rules"][1] == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["list", "watch"],
+    }, "the trainer finds the actors in their Service's EndpointSlices, and may do nothing else with them"
+    trainer = {e["name"]: e.get("value") for e in plan.create_pods[-1]["spec"]["containers"][0]["env"]}
+    assert trainer["LOCKSTEP_ACTORS_SERVICE"] == "demo-actors" and "LOCKSTEP_ACTORS_URL" not in trainer
     assert {p["spec"]["serviceAccountName"] for p in plan.create_pods} == {"demo-worker"}
     assert plan.status.phase is Phase.PENDING
     assert condition(plan, PARITY_LOCKED) == ("True", "Locked")
@@ -159,6 +168,30 @@ def test_failed_pod_is_restarted_after_backoff_then_the_job_fails_past_max_resta
     assert set(gone.delete_pods) == {p["metadata"]["name"] for p in back[1:]}
 
 
+def test_a_loss_during_a_restart_joins_it_and_the_restart_is_kept_in_the_status_not_in_a_reason() -> None:
+    body, pods = settle(job(maxRestarts=3))
+    first = plan_for(body, [running(pods[0], phase="Failed", ready=False), *pods[1:]])
+    assert first.status.restarts == 1 and first.status.restarting == ["demo-actor-0"]
+
+    body = {**body, "status": status_of(first)}
+    second = plan_for(body, [running(pods[1], phase="Failed", ready=False), pods[2]], now=NOW + dt.timedelta(seconds=1))
+    assert second.status.restarts == 1, "a loss while a restart is under way joins it"
+    assert second.status.restarting == ["demo-actor-0", "demo-actor-1"]
+    assert second.delete_pods == {"demo-actor-1": "it failed"}
+
+    # What the pass remembers is status.restarting, whatever Ready's reason says.
+    body = {**body, "status": status_of(second)}
+    recreated = plan_for(body, [pods[2]], now=NOW + dt.timedelta(seconds=11))
+    assert sorted(p["metadata"]["name"] for p in recreated.create_pods) == ["demo-actor-0", "demo-actor-1"]
+    body = {**body, "status": status_of(recreated)}
+    back = [running(p) for p in recreated.create_pods] + [pods[2]]
+    healthy = plan_for(body, back, now=NOW + dt.timedelta(seconds=12))
+    assert healthy.status.restarting == [] and condition(healthy, READY) == ("True", "AllPodsReady")
+    restarting_reason = {**body, "status": {**status_of(healthy), "conditions": status_of(second)["conditions"]}}
+    again = plan_for(restarting_reason, back[1:], now=NOW + dt.timedelta(seconds=13))
+    assert again.status.restarts == 2, "a new loss after the pods came back is a new restart"
+
+
 def test_a_lost_trainer_rank_restarts_every_rank_and_no_actor() -> None:
     body, pods = settle(job(trainer={"image": "t", "reward": REWARD, "replicas": 2}))
     pods[3] = running(pods[3], phase="Failed", ready=False)  # demo-trainer-1
@@ -203,11 +236,44 @@ def test_the_job_succeeds_only_once_every_actor_serves_the_trainers_last_weights
     assert ready is not None and ready.message.endswith("every actor serves weights version 7")
 
 
+def test_the_trainers_last_evaluation_reaches_the_status_and_lockstep_status() -> None:
+    from lockstep.cli import describe_status
+
+    body, pods = settle(job())
+    announce(pods[2], 6)
+    evaluated = {"protocol": PROTOCOL, "version": 5, "reward": 0.35, "rows": 20}
+    pods[2]["metadata"]["annotations"][keys.EVALUATION] = json.dumps(evaluated)
+    status = plan_for(body, pods).status
+    assert status.evaluation is not None and (status.evaluation.version, status.evaluation.reward) == (5, 0.35)
+    shown = describe_status("tiny", status.model_dump(mode="json", by_alias=True, exclude_none=True))
+    assert "  trainer's last evaluation: eval reward 0.35 on weights version 5 (20 eval rows, greedy)" in shown
+    pods[2]["metadata"]["annotations"][keys.EVALUATION] = "{not json"
+    kept = plan_for({**body, "status": status.model_dump(mode="json", by_alias=True)}, pods).status
+    assert kept.evaluation == status.evaluation, "a bad document leaves the last good evaluation"
+
+
+def test_a_trainer_that_stops_on_its_dataset_says_why_in_the_ready_condition() -> None:
+    body, pods = settle(job(maxRestarts=0))
+    trainer = next(n for n, p in enumerate(pods) if p["metadata"]["name"] == "demo-trainer-0")
+    assert pods[trainer]["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    refused = "spec.trainer.dataset: /data/train.jsonl: no field 'answer' (spec.trainer.dataset.rewardFields)"
+    failed = running(pods[trainer], phase="Failed", ready=False)
+    failed["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 1, "message": f"Traceback ...\n{refused}\n"}}}
+    ]
+    pods[trainer] = failed
+    stopped = plan_for(body, pods)
+    assert stopped.status.phase is Phase.FAILED
+    ready = find(stopped.status.conditions, READY)
+    assert ready is not None and ready.reason == "RestartLimitExceeded"
+    assert f"pod(s) demo-trainer-0 failed or were deleted (demo-trainer-0: {refused})" in ready.message
+
+
 def test_a_mismatch_over_budget_degrades_parity_and_pause_holds_weight_updates() -> None:
     strict = policy(trainer={"mismatchBudget": {"meanAbsLogprobDiff": 0.01, "onExceeded": "Pause"}})
     body, pods = settle(job())
     announce(pods[2], 4)
-    measured = {"protocol": 1, "step": 4, "meanAbsLogprobDiff": 0.05, "tokenFraction": 0.75}
+    measured = {"protocol": PROTOCOL, "step": 4, "meanAbsLogprobDiff": 0.05, "tokenFraction": 0.75}
     pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(measured)
 
     held = plan_for(body, pods, policies=[strict])
@@ -239,7 +305,7 @@ def test_preflight_runs_before_training_and_its_result_decides() -> None:
     def finished(measured: float, phase: str = "Succeeded") -> Plan:
         pod = running(first.create_pods[0], phase=phase, ready=False)
         result = {
-            "protocol": 1,
+            "protocol": PROTOCOL,
             "meanAbsLogprobDiff": measured,
             "sharedPrefixMeanAbsLogprobDiff": measured / 2,
             "clipFraction": 0.0,
@@ -276,7 +342,7 @@ pod_states = st.sampled_from(["absent", "pending", "running", "failed", "succeed
 
 @settings(max_examples=300, deadline=None)
 @given(
-    actors=st.integers(0, 4),
+    actors=st.integers(1, 4),
     trainers=st.integers(1, 3),
     states=st.lists(pod_states, min_size=7, max_size=7),
     was_running=st.booleans(),
@@ -323,9 +389,14 @@ def test_plans_are_consistent_whatever_the_pods_look_like(
     assert ready is not None and ready.message, "every outcome explains itself"
 
 
-def announce(trainer: dict[str, Any], version: int) -> None:
+def announce(trainer: dict[str, Any], version: int, uri: str | None = None) -> None:
+    """What trainer rank 0 writes: by default weights where its backend publishes them (factories.job's uid)."""
+    env = {e["name"]: e.get("value") for e in trainer["spec"]["containers"][0]["env"]}
+    if uri is None and env["LOCKSTEP_WEIGHT_SYNC"] == "filesystem":
+        uri = f"file:///var/lib/lockstep/uid-1/weights/v{version}.safetensors"
+    uri = uri or f"http://{env['LOCKSTEP_WEIGHTS_HOST']}:9500/weights/{version}"
     trainer["metadata"]["annotations"][keys.WEIGHTS] = json.dumps(
-        {"protocol": 1, "version": version, "uri": f"file:///w/v{version}", "digest": f"sha256:{version}"}
+        {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
     )
 
 
@@ -335,14 +406,14 @@ def carry_barrier(
     """Let the first ``members`` pods (the two actors; and the trainer with a collective backend) ack every
     phase of the barrier to ``version``; the job as of then, and the time."""
     now = NOW
-    for expected_phase, ack_phase in (("Pause", "Paused"), ("Update", "Updated"), ("Resume", "Resumed")):
+    for expected_phase, ack_phase in (("Update", "Updated"), ("Resume", "Resumed")):
         plan = plan_for(body, pods, now=now)
         assert set(plan.annotate_pods) == {p["metadata"]["name"] for p in pods[:members]}, "commands go to members"
         for pod in pods[:members]:
             command = json.loads(plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER])
             assert command["phase"] == expected_phase and command["version"] == version
             pod["metadata"]["annotations"][keys.BARRIER] = plan.annotate_pods[pod["metadata"]["name"]][keys.BARRIER]
-            ack = {"protocol": 1, "id": command["id"], "phase": ack_phase, "loadedVersion": version}
+            ack = {"protocol": PROTOCOL, "id": command["id"], "phase": ack_phase, "loadedVersion": version}
             pod["metadata"]["annotations"][keys.BARRIER_ACK] = json.dumps(ack)
         body = {**body, "status": status_of(plan)}
         now += dt.timedelta(seconds=1)
@@ -409,3 +480,170 @@ def test_stalled_and_reconciling_follow_ready_for_kstatus() -> None:
     assert gitops(done) == (("True", "TrainerSucceeded"), ("False", "Reconciled"), ("False", "NotStalled"))
     reasons = [e.reason for e in done.events]
     assert reasons.count("TrainerSucceeded") == 1, "one Event for the transition, not two"
+
+
+# -- hardening: replacements, rejected children, announcements, a barrier that must always end -------------
+
+
+def pass_after(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], **spec: Any) -> tuple[Plan, Any]:
+    """The next pass, once the pods ``plan`` deleted are gone: (that plan, the job it leaves)."""
+    body = {**body, "spec": {**body["spec"], **spec}, "status": status_of(plan)}
+    left = [p for p in pods if p["metadata"]["name"] not in plan.delete_pods]
+    return plan_for(body, left), body
+
+
+def test_replacements_the_user_asked_for_never_count_as_restarts() -> None:
+    body, pods = settle(job(maxRestarts=1))
+    for edit in range(4):
+        edited = {**body, "spec": {**body["spec"], "actors": {"image": f"actor:v{edit}", "replicas": 2}}}
+        replacing = plan_for(edited, pods)
+        assert set(replacing.delete_pods) == {"demo-actor-0", "demo-actor-1"}
+        assert replacing.status.replacing == ["demo-actor-0", "demo-actor-1"]
+        recreated, body = pass_after(replacing, edited, pods)
+        assert recreated.status.restarts == 0 and recreated.status.phase is not Phase.FAILED
+        assert [p["metadata"]["name"] for p in recreated.create_pods] == ["demo-actor-0", "demo-actor-1"]
+        pods = [running(p) for p in recreated.create_pods] + [p for p in pods if "trainer" in p["metadata"]["name"]]
+        settled = plan_for({**body, "status": status_of(recreated)}, pods)
+        assert settled.status.replacing == [] and settled.status.replacements == 2 * (edit + 1)
+        body = {**body, "status": status_of(settled)}
+    lost = plan_for(body, pods[1:])
+    assert lost.status.restarts == 1, "a pod that vanished on its own is still a failure"
+
+
+def test_a_trainer_rank_is_replaced_with_its_group() -> None:
+    body, pods = settle(job(trainer={"image": "t", "reward": REWARD, "replicas": 2}))
+    pods[3] = {**pods[3], "metadata": {**pods[3]["metadata"], "annotations": {keys.CONFIG_FINGERPRINT: "sha256:old"}}}
+    drifted = plan_for(body, pods)
+    assert set(drifted.delete_pods) == {"demo-trainer-0", "demo-trainer-1"}
+    assert drifted.status.replacements == 2 and drifted.status.restarts == 0
+    after, _ = pass_after(drifted, body, pods)
+    assert after.status.restarts == 0 and len(after.create_pods) == 2
+
+
+def test_a_straggler_evicted_by_policy_is_a_replacement() -> None:
+    body, pods = settle(job(weightSync={"volume": {"emptyDir": {}}, "onTimeout": "EvictStraggler"}))
+    announce(pods[2], 1)
+    opened = plan_for(body, pods)
+    body = {**body, "status": status_of(opened)}
+    late = plan_for(body, pods, now=NOW + dt.timedelta(seconds=601))
+    assert set(late.delete_pods) == {"demo-actor-0", "demo-actor-1"}
+    assert late.status.replacements == 2 and late.status.restarts == 0
+    assert late.status.barrier is None and late.status.weights_version is None, "no member loaded version 1"
+    after, _ = pass_after(late, body, pods)
+    assert after.status.restarts == 0 and len(after.create_pods) == 2
+
+
+def test_what_the_api_server_refused_is_a_condition_and_nothing_more_is_created() -> None:
+    refused = {"Pod demo-actor-0": 'Pod "demo-actor-0" is invalid: spec.containers[0].resources.limits: lots'}
+    plan = reconcile(Observed(job(), [], [policy()], {}, NOW, rejected=refused))
+    assert not plan.create_pods and not plan.children
+    assert condition(plan, READY) == ("False", "ChildRejected")
+    assert condition(plan, "Stalled") == ("True", "ChildRejected")
+    message = find(plan.status.conditions, READY).message  # type: ignore[union-attr]
+    assert "Pod demo-actor-0" in message and "lots" in message and "fix the RLJob's spec" in message
+    assert any(e.reason == "ChildRejected" and e.type == "Warning" for e in plan.events)
+
+
+def test_an_open_barrier_ends_by_its_deadline_while_no_policy_resolves() -> None:
+    body, pods = settle(job())
+    announce(pods[2], 1)
+    opened = plan_for(body, pods)
+    assert opened.status.barrier is not None
+    body = {**body, "status": status_of(opened)}
+    paused = [{**p, "metadata": {**p["metadata"], "annotations": {**p["metadata"]["annotations"]}}} for p in pods]
+    stuck = plan_for(body, paused, now=NOW + dt.timedelta(seconds=601), policies=[])
+    assert condition(stuck, PARITY_LOCKED)[1] == "NoDefaultPolicy"
+    assert stuck.status.phase is Phase.FAILED and condition(stuck, READY) == ("False", "WeightUpdateFailed")
+    assert set(stuck.delete_pods) >= {"demo-actor-0", "demo-actor-1"}, "no actor is left paused"
+    early = plan_for(body, paused, now=NOW + dt.timedelta(seconds=10), policies=[])
+    assert early.status.barrier is not None and early.requeue_after is not None, "woken again at the deadline"
+
+
+def test_an_announcement_older_than_the_committed_weights_is_refused_once() -> None:
+    body, pods = settle(job())
+    announce(pods[2], 3)
+    body, now = carry_barrier(body, pods, 3)
+    committed = plan_for(body, pods, now=now)
+    body = {**body, "status": status_of(committed)}
+    announce(pods[2], 2)
+    refused = plan_for(body, pods, now=now)
+    assert refused.status.lag is None and refused.status.barrier is None
+    [event] = [e for e in refused.events if e.reason == "InvalidWeightsAnnouncement"]
+    assert event.type == "Warning" and "older than the committed version 3" in event.message
+    again = plan_for({**body, "status": status_of(refused)}, pods, now=now)
+    assert not [e for e in again.events if e.reason == "InvalidWeightsAnnouncement"], "reported once, not per pass"
+
+
+def test_weights_from_outside_the_jobs_own_directory_or_trainer_are_refused() -> None:
+    body, pods = settle(job())
+    for uri in (
+        "file:///var/lib/lockstep/evil.safetensors",
+        "file:///var/lib/lockstep/uid-1/../other/weights/v5.safetensors",
+        "file:///var/lib/lockstep/uid-1/%2e%2e/other/v5.safetensors",
+        "http://evil.example/weights/5",
+    ):
+        announce(pods[2], 5, uri=uri)
+        plan = plan_for(body, pods)
+        assert plan.status.barrier is None, uri
+        assert any(e.reason == "InvalidWeightsAnnouncement" and uri in e.message for e in plan.events)
+    gloo, gloo_pods = settle(job(weightSync={"backend": "gloo"}))
+    announce(gloo_pods[2], 5, uri="file:///var/lib/lockstep/uid-1/weights/v5.safetensors")
+    assert plan_for(gloo, gloo_pods).status.barrier is None, "a collective job takes weights from its trainer only"
+    announce(gloo_pods[2], 5)
+    assert plan_for(gloo, gloo_pods).status.barrier is not None
+
+
+def test_an_actor_lost_after_the_trainer_completed_is_recreated_for_the_final_update() -> None:
+    body, pods = settle(job())
+    announce(pods[2], 7)
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    finishing = plan_for(body, [pods[0], pods[2]])
+    assert [p["metadata"]["name"] for p in finishing.create_pods] == ["demo-actor-1"]
+    assert condition(finishing, READY) == ("True", "FinalWeightUpdate")
+
+
+def test_a_refused_final_announcement_does_not_keep_the_job_waiting() -> None:
+    body, pods = settle(job())
+    announce(pods[2], 7, uri="file:///var/lib/lockstep/evil.safetensors")
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    done = plan_for(body, pods)
+    assert done.status.phase is Phase.SUCCEEDED, "no update it refused is waited for"
+    assert any(e.reason == "InvalidWeightsAnnouncement" for e in done.events)
+
+
+def test_the_job_is_isolated_by_a_network_policy_unless_turned_off() -> None:
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    plan = plan_for(job(networkPolicy={"metricsFrom": [scraper]}))
+    [isolation] = [c for c in plan.children if c["kind"] == "NetworkPolicy"]
+    own = {"matchLabels": {keys.MANAGED_BY: keys.MANAGER, keys.JOB: "demo", "app.kubernetes.io/instance": "demo"}}
+    assert isolation["spec"]["podSelector"] == own and isolation["spec"]["policyTypes"] == ["Ingress"]
+    assert isolation["spec"]["ingress"][0] == {"from": [{"podSelector": own}]}, "every port, from the job's pods"
+    assert isolation["spec"]["ingress"][1]["from"] == [scraper]
+    assert {p["port"] for p in isolation["spec"]["ingress"][1]["ports"]} == {8000, 9400}
+    for pod in plan.create_pods:
+        assert all(pod["metadata"]["labels"][k] == v for k, v in own["matchLabels"].items())
+    off = plan_for(job(networkPolicy={"enabled": False}))
+    assert "NetworkPolicy" not in {c["kind"] for c in off.children}
+    assert off.remove_children == [("NetworkPolicy", "demo-isolation")]
+
+
+def test_a_pod_that_requests_gpus_gets_its_local_rank_shared_memory_and_nccl_settings() -> None:
+    trainer = {
+        "image": "t",
+        "reward": REWARD,
+        "replicas": 2,
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "env": [{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}],
+    }
+    pods = {p["metadata"]["name"]: p for p in plan_for(job(trainer=trainer)).create_pods}
+    for rank in (0, 1):
+        pod = pods[f"demo-trainer-{rank}"]
+        [container] = pod["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["LOCAL_RANK"] == "0" and env["RANK"] == str(rank)
+        assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert {"name": "lockstep-shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert {"name": "lockstep-shm", "emptyDir": {"medium": "Memory"}} in pod["spec"]["volumes"]
+    [actor] = pods["demo-actor-0"]["spec"]["containers"]
+    assert "LOCAL_RANK" not in {e["name"] for e in actor["env"]}, "the actors request no GPU here"
+    assert all(m["mountPath"] != "/dev/shm" for m in actor["volumeMounts"])

@@ -1,0 +1,147 @@
+"""The barrier protocol's wire documents (docs/barrier-protocol.md): what the operator, the trainer and
+each pod's agent write in pod annotations, and how to write and read them. The operator and the agent
+both import this module, and nothing else of each other's.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Annotated, Any, TypeVar
+
+from pydantic import Field, ValidationError
+
+from lockstep.schema import OPAQUE_OBJECT, Model
+
+PROTOCOL = 2
+"""Version of the barrier protocol; every annotation document carries it. 2: a barrier opens in Update (pause,
+then load) and has a Pause phase only while a retried transfer waits for its sender."""
+
+
+class BarrierPhase(StrEnum):
+    PAUSE = "Pause"
+    UPDATE = "Update"
+    RESUME = "Resume"
+
+
+class Weights(Model):
+    """Published weights: ``lockstep.dev/weights`` (trainer) and ``lockstep.dev/initial-weights`` (operator)."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    version: Annotated[int, Field(ge=1)] = Field(description="the weights version, counting from 1")
+    uri: Annotated[str, Field(min_length=1)] = Field(
+        description="where the weights are: a directory on the shared volume, or the trainer's manifest URL"
+    )
+    digest: Annotated[str, Field(min_length=1)] = Field(description="sha256:<hex> of the weights")
+
+
+class TransferGroup(Model):
+    """A member's place in the process group that carries one barrier's weights (collective backends): the
+    trainer is rank 0; an actor's vLLM workers take ranks ``rankOffset`` to ``rankOffset + workers - 1``."""
+
+    rank_offset: int = Field(ge=0, description="the rank of this member's first vLLM worker in the group")
+    world_size: int = Field(ge=2, description="ranks in the group: the trainer's one and every receiving worker's")
+
+
+class Command(Model):
+    """``lockstep.dev/barrier``: what the operator asks a member pod to do."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    id: str = Field(description="<job uid>/<version>: the barrier this command belongs to")
+    version: int = Field(description="the weights version to load")
+    uri: str = Field(description="where the weights are")
+    digest: str = Field(description="sha256:<hex> the loaded weights must have")
+    phase: BarrierPhase = Field(description="Pause, Update or Resume")
+    group: TransferGroup | None = Field(
+        None, description="collective backends, Update phase: this member's rank in the transfer group"
+    )
+    retry: int = Field(0, description="how often this phase was asked again of this member after it reported an error")
+
+
+class Ack(Model):
+    """``lockstep.dev/barrier-ack``: what a pod says it has done."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    id: str | None = Field(None, description="the barrier the ack answers")
+    phase: str = Field(description="Paused, Updated or Resumed: the phase done")
+    loaded_version: int | None = Field(None, description="the weights version the pod's engine holds")
+    digest: str | None = Field(None, description="sha256:<hex> of those weights")
+    error: str | None = Field(None, description="why the phase failed on this pod; none when it succeeded")
+    retry: int = Field(0, description="the retry of the command this ack answers")
+
+
+class Mismatch(Model):
+    """``lockstep.dev/mismatch``: the train-inference parity the trainer measured on its last step."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    step: int = Field(description="the trainer step measured")
+    mean_abs_logprob_diff: float = Field(
+        description="mean |logprob_trainer - logprob_rollout| on sequences sampled wholly under the trainer's weights"
+    )
+    token_fraction: float = Field(description="the fraction of the step's tokens that measurement covers")
+    stale_samples_dropped: int = Field(
+        0,
+        description="samples of the step dropped before the loss, and sampled again, because a token was more than "
+        "spec.trainer.maxLag versions behind the trainer",
+    )
+
+
+class EvalResult(Model):
+    """``lockstep.dev/evaluation``: the trainer's last evaluation (spec.trainer.eval)."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    version: int = Field(description="the weights version evaluated (the one its step started from)")
+    reward: float = Field(description="the mean reward of one greedy completion of each eval row")
+    rows: int = Field(description="how many eval rows were sampled")
+
+
+class PreflightResult(Model):
+    """``lockstep.dev/preflight``: what the preflight pod measured under the job's effective configuration."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    mean_abs_logprob_diff: float = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
+    shared_prefix_mean_abs_logprob_diff: float = Field(
+        description="the same, for requests that share a prompt with earlier ones, after an in-flight weight update"
+    )
+    clip_fraction: float = Field(description="tokens whose ratio leaves [1 - 0.2, 1 + 0.2]")
+    outside_top_p_per_thousand: float = Field(description="tokens outside the trainer's top-p set, per 1000")
+    tokens: int = Field(description="tokens sampled and recomputed")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the vLLM engine arguments the job's settings were applied as, by vLLM's names",
+        json_schema_extra=OPAQUE_OBJECT,
+    )
+    satisfied_by_construction: list[str] = Field(
+        default_factory=list,
+        description="settings not passed to vLLM because the vLLM in the image no longer has the behaviour they turn "
+        "off (e.g. disableCascadeAttn: vLLM removed cascade attention)",
+    )
+
+
+ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
+"""The ack that answers each phase's command."""
+
+DocumentT = TypeVar("DocumentT", Weights, Command, Ack, Mismatch, EvalResult, PreflightResult)
+
+
+def document(value: Weights | Command | Ack | Mismatch | EvalResult | PreflightResult) -> str:
+    """The annotation text of a protocol document."""
+    return json.dumps(value.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+
+
+def read_document(text: str | None, kind: type[DocumentT]) -> DocumentT | str | None:
+    """A protocol document from an annotation: the document, why it is unusable, or None when absent."""
+    if text is None:
+        return None
+    try:
+        value = kind.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as error:
+        return f"is not a valid {kind.__name__} document ({str(error).splitlines()[0]})"
+    if value.protocol != PROTOCOL:
+        return f"speaks barrier protocol {value.protocol}; this version speaks {PROTOCOL}"
+    return value
+
+
+def parse_ack(text: str | None) -> Ack | str | None:
+    """The ack, why it is unusable, or None when there is none."""
+    return read_document(text, Ack)

@@ -1,0 +1,57 @@
+"""Step: what the trainer measured. Its last evaluation goes to the status; its last parity measurement is held
+against the ParityPolicy's budget (ParityDegraded), over which a policy with onExceeded: Pause holds new weight
+updates."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from lockstep import keys, protocol
+from lockstep.api import BudgetAction
+from lockstep.conditions import PARITY_DEGRADED
+from lockstep.parity import EffectiveConfig
+from lockstep.protocol import EvalResult, Mismatch
+from lockstep.reconcile.context import Pass, annotation
+from lockstep.reconcile.reasons import Reason
+
+
+class Updates(Enum):
+    """Whether a new weight update may open (one in flight always goes on)."""
+
+    ALLOWED = "allowed"
+    HELD = "held"
+
+
+def record_evaluation(run: Pass, rank0: dict[str, Any] | None) -> None:
+    """The trainer's last evaluation (on its pod), into status.evaluation."""
+    evaluated = protocol.read_document(annotation(rank0, keys.EVALUATION) if rank0 else None, EvalResult)
+    if isinstance(evaluated, EvalResult):
+        run.status.evaluation = evaluated
+
+
+def check(run: Pass, config: EffectiveConfig, rank0: dict[str, Any] | None) -> Updates:
+    measured = protocol.read_document(annotation(rank0, keys.MISMATCH) if rank0 else None, Mismatch)
+    if isinstance(measured, Mismatch) and measured.token_fraction > 0:
+        run.status.mismatch = measured
+    last = run.status.mismatch
+    if last is None:
+        return Updates.ALLOWED
+    budget = config.mismatch_budget
+    numbers = (
+        f"step {last.step}: mean |Δlogprob| {last.mean_abs_logprob_diff:.3g} between the trainer and the actors "
+        f"on {last.token_fraction:.0%} of its tokens; budget {budget.mean_abs_logprob_diff:.3g} "
+        f"(ParityPolicy {config.policy!r})"
+    )
+    if last.mean_abs_logprob_diff <= budget.mean_abs_logprob_diff:
+        run.condition(PARITY_DEGRADED, False, Reason.WITHIN_BUDGET, numbers)
+        return Updates.ALLOWED
+    hold = budget.on_exceeded is BudgetAction.PAUSE
+    advice = (
+        "; weight updates are held (onExceeded: Pause) until a measurement is within the budget: fix the "
+        "configuration or raise trainer.mismatchBudget in the ParityPolicy"
+        if hold
+        else ""
+    )
+    run.condition(PARITY_DEGRADED, True, Reason.MISMATCH_BUDGET_EXCEEDED, f"over budget at {numbers}{advice}")
+    return Updates.HELD if hold else Updates.ALLOWED

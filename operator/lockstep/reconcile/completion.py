@@ -1,0 +1,48 @@
+"""Step: the end of a job. It succeeds or fails once, its pods go, Kueue learns it ended, and
+ttlSecondsAfterFinished deletes it."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from lockstep import kueue
+from lockstep.api import Phase, RLJobSpec
+from lockstep.conditions import READY, find
+from lockstep.reconcile import summary
+from lockstep.reconcile.context import Pass
+from lockstep.reconcile.reasons import Reason
+from lockstep.times import parse_rfc3339
+
+FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
+
+
+def finish_job(run: Pass, spec: RLJobSpec, phase: Phase, reason: Reason, message: str) -> None:
+    run.status.phase = phase
+    run.status.finished_time = run.now
+    run.condition(READY, phase is Phase.SUCCEEDED, reason, message)
+    summary.count(run, spec, {})
+    tidy_finished(run, spec)
+
+
+def tidy_finished(run: Pass, spec: RLJobSpec) -> None:
+    """A finished job keeps no pods, its Workload says it finished, and it goes after ttlSecondsAfterFinished."""
+    run.stop_all_pods(f"the job {run.status.phase.value.lower()}")
+    _finish_workloads(run)
+    if spec.ttl_seconds_after_finished is None or run.status.finished_time is None:
+        return
+    expires = parse_rfc3339(run.status.finished_time) + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
+    remaining = (expires - run.observed.now).total_seconds()
+    if remaining <= 0:
+        run.plan.delete_job = True
+    else:
+        run.requeue(remaining)
+
+
+def _finish_workloads(run: Pass) -> None:
+    """Tell Kueue the job ended, so that its quota goes to the next job."""
+    ready = find(run.status.conditions, READY)
+    message = ready.message if ready is not None else ""
+    for workload in run.observed.kueue.workloads if run.observed.kueue else []:
+        patch = kueue.finish(workload, run.status.phase is Phase.SUCCEEDED, message, run.now)
+        if patch is not None:
+            run.plan.workload_status[workload["metadata"]["name"]] = patch

@@ -1,0 +1,98 @@
+"""Step: the job's pods and children against what its spec asks for. Children are applied, pods the spec no
+longer asks for go, drifted or changed pods are replaced, missing ones created (after a restart's backoff), and
+the job is Running once every pod is ready."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lockstep import desired
+from lockstep.api import Phase, RLJobSpec
+from lockstep.conditions import PARITY_LOCKED, READY
+from lockstep.parity import EffectiveConfig
+from lockstep.reconcile import restarts, summary, weights
+from lockstep.reconcile.children import Children, Desired
+from lockstep.reconcile.context import Pass
+from lockstep.reconcile.reasons import Reason
+
+
+def wanted(
+    run: Pass, spec: RLJobSpec, config: EffectiveConfig, placements: desired.Placements | None = None
+) -> Desired:
+    return Desired(
+        {p["metadata"]["name"]: p for p in desired.pods(run.job, spec, config, placements)},
+        desired.preflight_pod(run.job, spec, config, placements) if spec.preflight.enabled else None,
+    )
+
+
+def apply_children(run: Pass, spec: RLJobSpec, config: EffectiveConfig, pods: Desired) -> None:
+    """The job's other children: its pods' identity and access, its effective config, its Services, its
+    NetworkPolicy (removed when the spec turns it off)."""
+    run.plan.children = [
+        *desired.worker_access(run.job, [p["metadata"]["name"] for p in pods.all]),
+        desired.config_map(run.job, config),
+        *desired.services(run.job),
+    ]
+    if spec.network_policy.enabled:
+        run.plan.children.append(desired.network_policy(run.job, spec))
+    else:
+        run.plan.remove_children.append(("NetworkPolicy", desired.network_policy_name(run.job.name)))
+
+
+def report_rejected(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None:
+    """The API server refused a child of this spec: say so, create nothing more until the spec changes, and
+    keep an open barrier moving for the pods that run."""
+    refused = "; ".join(f"{what}: {message}" for what, message in sorted(run.observed.rejected.items()))
+    run.plan.children = []
+    if run.status.phase is not Phase.RUNNING:
+        run.status.phase = Phase.PENDING
+    run.condition(
+        READY,
+        False,
+        Reason.CHILD_REJECTED,
+        f"the API server refused what this RLJob asks for ({refused}); fix the RLJob's spec (or what refused "
+        "it: a quota, an admission policy). The operator tries again when the spec changes, and every minute",
+    )
+    weights.keep_moving(run, spec, weights.ranks_per_member(config))
+
+
+def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str, dict[str, Any]]:
+    """Delete what the spec no longer asks for, replace what drifted or changed, create what is missing once a
+    restart's backoff is over; the pods that stay (the barrier's and the readiness count's)."""
+    for name in children.scaled_down:
+        run.plan.delete_pods[name] = "no longer desired (scaled down)"
+    for name, fingerprint in children.drifted.items():
+        run.replace({name: "it ran under another parity configuration (drift)"})
+        run.condition(
+            PARITY_LOCKED,
+            False,
+            Reason.DRIFT,
+            f"pod {name} runs with config {fingerprint}, not {config.fingerprint}; replacing it",
+        )
+    for name in children.changed:
+        run.replace({name: "the pod spec changed"})
+    # Pods deleted in this pass are recreated in a later one, once they are gone.
+    replaced = [name for name in children.desired.pods if name in run.plan.delete_pods]
+    wait = restarts.backoff_remaining(run)
+    if wait <= 0:
+        run.plan.create_pods = [weights.with_committed_weights(run, children.desired.pods[n]) for n in children.missing]
+    elif children.missing or replaced:
+        run.requeue(wait)
+    return {
+        name: pod
+        for name, pod in children.pods.items()
+        if name not in run.plan.delete_pods and name in children.desired.pods
+    }
+
+
+def readiness(run: Pass, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:
+    """Running once every pod is ready; until then Ready=False, PodsNotReady (or Restarting, during its backoff)."""
+    summary.count(run, spec, live)
+    if run.status.actors.ready == spec.actors.replicas and run.status.trainer.ready == spec.trainer.replicas:
+        run.status.phase = Phase.RUNNING
+        run.condition(READY, True, Reason.ALL_PODS_READY, summary.readiness(run))
+        return
+    if run.old.phase is not Phase.RUNNING:
+        run.status.phase = Phase.PENDING
+    if restarts.backoff_remaining(run) <= 0:
+        run.condition(READY, False, Reason.PODS_NOT_READY, summary.readiness(run))

@@ -1,0 +1,68 @@
+"""Step: the parity gate. The job's spec is read, its ParityPolicy chosen, and the effective vLLM configuration
+computed; a job its policy refuses, or that has no usable policy, runs no new pods."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from lockstep.api import Enforcement, ParityPolicy, Phase, RLJobSpec
+from lockstep.conditions import PARITY_LOCKED, READY
+from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
+from lockstep.reconcile import summary
+from lockstep.reconcile.context import Pass
+from lockstep.reconcile.reasons import Reason
+
+
+def valid_spec(run: Pass) -> RLJobSpec | None:
+    """The job's spec, or None (Ready=False, InvalidSpec) when it does not parse."""
+    try:
+        return RLJobSpec.model_validate(run.observed.job.get("spec") or {})
+    except ValidationError as error:
+        run.condition(READY, False, Reason.INVALID_SPEC, f"the RLJob spec is invalid: {error}")
+        return None
+
+
+def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
+    """Set ParityLocked; the effective config, or None when the job may not run."""
+    try:
+        policies = [ParityPolicy.model_validate(p) for p in run.observed.policies]
+        policy = select_policy(spec.parity_policy, policies, run.job.namespace, run.observed.namespace_labels)
+    except PolicyError as error:
+        message = str(error)
+        if run.pods:
+            message += (
+                f"; the {len(run.pods)} existing pods keep running with the last applied configuration "
+                f"({run.status.config_fingerprint}) and no new pods are created"
+            )
+        run.condition(PARITY_LOCKED, False, Reason(error.reason), message)
+        run.condition(READY, False, Reason(error.reason), message)
+        return None
+    config = effective_config(spec, policy)
+    run.status.parity_policy = config.policy
+    conflicts = "; ".join(c.describe() for c in config.conflicts)
+    if config.refused:
+        message = (
+            f"ParityPolicy {config.policy!r} (Enforce) locks keys this job sets otherwise: {conflicts}. "
+            "Remove them from spec.actors.vllm or set them to the locked values; no pods run until then"
+        )
+        run.stop_all_pods("the job conflicts with its ParityPolicy")
+        run.status.phase = Phase.PENDING
+        run.condition(PARITY_LOCKED, False, Reason.CONFLICTS_WITH_POLICY, message)
+        run.condition(READY, False, Reason.CONFLICTS_WITH_POLICY, message)
+        summary.count(run, spec, {})
+        return None
+    if not config.conflicts:
+        run.condition(PARITY_LOCKED, True, Reason.LOCKED, f"vLLM settings locked by ParityPolicy {config.policy!r}")
+    elif config.enforcement is Enforcement.WARN:
+        message = f"ParityPolicy {config.policy!r} (Warn) overrode: {conflicts}; the pods run with the locked values"
+        run.condition(PARITY_LOCKED, True, Reason.LOCKED_VALUES_APPLIED, message)
+    else:
+        run.condition(
+            PARITY_LOCKED,
+            False,
+            Reason.AUDIT_ONLY,
+            f"ParityPolicy {config.policy!r} (Audit) records that this job differs: {conflicts}; "
+            "the pods run with the job's own values",
+        )
+    run.status.config_fingerprint = config.fingerprint
+    return config

@@ -1,0 +1,71 @@
+"""The vocabulary of the reasons the reconciler gives its conditions, and what each kind of reason means to
+kstatus and to Events. No state is kept in a reason: what a pass must remember is in the status's own fields."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    # Ready
+    ALL_PODS_READY = "AllPodsReady"
+    PODS_NOT_READY = "PodsNotReady"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    QUEUED = "Queued"
+    PREFLIGHT = "Preflight"
+    FINAL_WEIGHT_UPDATE = "FinalWeightUpdate"
+    TRAINER_SUCCEEDED = "TrainerSucceeded"
+    INVALID_SPEC = "InvalidSpec"
+    CHILD_REJECTED = "ChildRejected"
+    RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
+    WEIGHT_UPDATE_FAILED = "WeightUpdateFailed"
+    PREFLIGHT_FAILED = "PreflightFailed"
+    # ParityLocked (and Ready, when the job may not run)
+    LOCKED = "Locked"
+    LOCKED_VALUES_APPLIED = "LockedValuesApplied"
+    AUDIT_ONLY = "AuditOnly"
+    DRIFT = "Drift"
+    CONFLICTS_WITH_POLICY = "ConflictsWithPolicy"
+    POLICY_NOT_FOUND = "PolicyNotFound"
+    NO_DEFAULT_POLICY = "NoDefaultPolicy"
+    AMBIGUOUS_DEFAULT_POLICY = "AmbiguousDefaultPolicy"
+    POLICY_NOT_APPLICABLE = "PolicyNotApplicable"
+    # ParityDegraded
+    WITHIN_BUDGET = "WithinBudget"
+    MISMATCH_BUDGET_EXCEEDED = "MismatchBudgetExceeded"
+    # Queued (Kueue's own reasons, such as Pending or Preempted, pass through as Kueue wrote them)
+    ADMITTED = "Admitted"
+    PRIORITY_CLASS_NOT_FOUND = "PriorityClassNotFound"
+    FLAVOR_NOT_FOUND = "FlavorNotFound"
+    KUEUE_INTEGRATION_OFF = "KueueIntegrationOff"
+    # Events only
+    PREFLIGHT_PASSED = "PreflightPassed"
+    WEIGHT_UPDATE = "WeightUpdate"
+    INVALID_WEIGHTS_ANNOUNCEMENT = "InvalidWeightsAnnouncement"
+    CREATING_PODS = "CreatingPods"
+    DELETING_PODS = "DeletingPods"
+
+
+WARNING = frozenset({Reason.LOCKED_VALUES_APPLIED, Reason.MISMATCH_BUDGET_EXCEEDED})
+"""Reasons whose transition Event is a Warning even though the condition is True."""
+BENIGN = frozenset({Reason.PODS_NOT_READY, Reason.SUSPENDED, Reason.QUEUED, Reason.ADMITTED, Reason.WITHIN_BUDGET})
+"""False conditions that are ordinary progress rather than trouble (their Events are Normal)."""
+WAITING = frozenset({Reason.SUSPENDED, Reason.QUEUED})
+"""Ready=False while the job waits for a person or for Kueue: neither Stalled nor Reconciling."""
+STALLED = frozenset(
+    {
+        Reason.INVALID_SPEC,
+        Reason.CONFLICTS_WITH_POLICY,
+        Reason.POLICY_NOT_FOUND,
+        Reason.NO_DEFAULT_POLICY,
+        Reason.AMBIGUOUS_DEFAULT_POLICY,
+        Reason.POLICY_NOT_APPLICABLE,
+        Reason.RESTART_LIMIT_EXCEEDED,
+        Reason.WEIGHT_UPDATE_FAILED,
+        Reason.MISMATCH_BUDGET_EXCEEDED,
+        Reason.PREFLIGHT_FAILED,
+        Reason.CHILD_REJECTED,
+    }
+)
+"""Ready=False reasons that need a person (fix the spec or the policy, or recreate the job): Stalled, for kstatus."""
