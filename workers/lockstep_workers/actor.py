@@ -3,12 +3,18 @@ barrier agent that pauses, reloads and resumes it.
 
 ``python -m lockstep_workers.actor --model=PATH --port=8000 [vLLM flags rendered by the operator]``
 
+The vLLM settings are mapped onto the installed vLLM first (lockstep_workers.vllm_args): a setting it cannot
+honour stops the actor (exit 1, naming the setting and why) before vLLM starts.
+
 HTTP: ``POST /generate`` ({"prompt_token_ids": [...], "sampling": {...}} → token ids, their
 processed logprobs and the weights version each token was sampled under), ``GET /ready`` (200 once
-the newest weights are loaded; the body has the version served and the history of weight updates
-with their times), ``GET /metrics`` (Prometheus). Nothing else: vLLM's dev-mode
+the newest weights are loaded; the body has the version served, the history of weight updates
+with their times, the engine arguments applied and the settings satisfied by construction),
+``GET /metrics`` (Prometheus). A request the actor cannot serve as sent is answered 400 with
+``{"error": "<field>: what is wrong"}``. Nothing else: vLLM's dev-mode
 endpoints (/collective_rpc and friends) do not exist here; weights are reloaded only through the
-barrier agent, which acts on commands the operator writes on this pod.
+barrier agent, which acts on commands the operator writes on this pod, and only from the job's own weights
+(``weights_origin``).
 
 Weights arrive as files on the shared volume, or (spec.weightSync.backend nccl or gloo, in
 $LOCKSTEP_WEIGHT_SYNC) sent by the trainer into vLLM's weight-transfer engine (lockstep_workers.transfer).
@@ -27,17 +33,19 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
-from lockstep.api import PauseMode, TransferGroup, VllmSettings, Weights, WeightSyncBackend, WeightUpdateSemantics
-from lockstep.parity import settings_dict
-from lockstep_workers.transfer import VLLM_ENGINE, receive
-from lockstep_workers.weights import verified_path
+from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
+from lockstep.protocol import TransferGroup, Weights
+from lockstep_workers import environment
+from lockstep_workers.transfer import VLLM_ENGINE, TrainerManifests, receive
+from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
+from lockstep_workers.weights import WeightsDirectory, WeightsOrigin, verified_path, weights_directory
 
 logger = logging.getLogger("lockstep.actor")
 
@@ -70,15 +78,24 @@ def settings_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_args(model: str, settings: VllmSettings, backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM) -> Any:
-    """vLLM's AsyncEngineArgs for the effective settings, with the weight-reload extension and, for a
+def applied_settings(settings: VllmSettings) -> AppliedSettings:
+    """``settings`` mapped onto the installed vLLM (raises UnsupportedSetting)."""
+    return map_settings(settings, installed_vllm())
+
+
+def engine_args(model: str, applied: AppliedSettings, backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM) -> Any:
+    """vLLM's AsyncEngineArgs for the applied settings, with the weight-reload extension and, for a
     collective backend, vLLM's weight-transfer engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kwargs = {name: value for name, value in settings.model_dump(mode="json").items() if value is not None}
+    kwargs = dict(applied.engine_args)
     if backend.collective:
         kwargs["weight_transfer_config"] = {"backend": VLLM_ENGINE[backend]}
     return AsyncEngineArgs(model=model, worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader", **kwargs)
+
+
+class BadRequest(ValueError):
+    """A request the actor cannot serve as sent; the message names the field."""
 
 
 class Actor:
@@ -87,7 +104,8 @@ class Actor:
     ``loaded`` is the version in the engine; ``serving`` the one new tokens are sampled under. They
     differ only while paused: tokens that arrive then were sampled before the pause, under the old
     weights, so ``serving`` moves to the loaded version on resume. ``updates`` records, per loaded
-    version, when the actor paused, loaded and resumed (wall-clock seconds).
+    version, when the actor paused, loaded and resumed (wall-clock seconds), and how long its own pause, load and
+    resume took (the rest of a barrier is coordination).
     """
 
     def __init__(
@@ -105,65 +123,106 @@ class Actor:
         self.loaded = BASE_VERSION
         self.serving = BASE_VERSION
         self.paused_at: float | None = None
+        self.pause_seconds = 0.0
         self.updates: list[dict[str, float | int | None]] = []
         WEIGHTS_VERSION.set(BASE_VERSION)
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        """Sample a completion; each token carries the weights version it was sampled under."""
+        """Sample a completion; each token carries the weights version it was sampled under. Raises BadRequest
+        when vLLM refuses ``sampling``."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(**sampling, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        try:
+            params = SamplingParams(**sampling, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        except (TypeError, ValueError, VLLMClientError) as error:
+            raise BadRequest(f"sampling: {error} (vLLM SamplingParams fields; logprobs is set by the actor)") from None
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        async for output in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
-            completion = output.outputs[0]
-            for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
-                tokens.append(token)
-                logprobs.append(candidates[token].logprob)
-                versions.append(self.serving)
+        try:
+            async for output in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+                completion = output.outputs[0]
+                for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
+                    tokens.append(token)
+                    logprobs.append(candidates[token].logprob)
+                    versions.append(self.serving)
+        except VLLMClientError as error:  # vLLM's own verdict: the request, not the engine, is at fault
+            raise BadRequest(f"prompt_token_ids or sampling: {error}") from None
         TOKENS.inc(len(tokens))
         return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions}
 
     async def pause(self) -> None:
+        started = time.time()
         await self.llm.pause_generation(mode=self.pause_mode.value, clear_cache=self.clear_cache)
         self.paused_at = time.time()
+        self.pause_seconds = self.paused_at - started
         PAUSED.set(1)
 
     async def load(self, weights: Weights, group: TransferGroup | None = None) -> None:
         """Reload the weights in place in every vLLM worker: from their file, after checking the digest, or
         received from the trainer in ``group``."""
+        started = time.time()
         if group is not None:
             await receive(self.llm, weights, group, self.backend)
         else:
             path = verified_path(weights)
             await self.llm.collective_rpc("lockstep_reload", args=(str(path),))
         self.loaded = weights.version
-        self.updates.append({"version": weights.version, "pausedAt": self.paused_at, "loadedAt": time.time()})
+        loaded_at = time.time()
+        self.updates.append(
+            {
+                "version": weights.version,
+                "pausedAt": self.paused_at,
+                "loadedAt": loaded_at,
+                "pauseSeconds": self.pause_seconds if self.paused_at is not None else 0.0,
+                "loadSeconds": loaded_at - started,
+            }
+        )
         if self.paused_at is None:  # initial weights, loaded before serving
             self.serving = weights.version
         UPDATES.inc()
         WEIGHTS_VERSION.set(weights.version)
 
     async def resume(self) -> None:
+        started = time.time()
         await self.llm.resume_generation()
         self.serving = self.loaded
         if self.updates:
-            self.updates[-1]["resumedAt"] = time.time()
+            resumed_at = time.time()
+            self.updates[-1].update(resumedAt=resumed_at, resumeSeconds=resumed_at - started)
             logger.info("weight update done: %s", json.dumps(self.updates[-1]))
         self.paused_at = None
         PAUSED.set(0)
 
 
-class LoopEngine:
-    """The agent's Engine (called from its thread), carried out on the actor's event loop."""
+def weights_origin(backend: WeightSyncBackend, environ: Mapping[str, str]) -> WeightsOrigin:
+    """Where this actor pod accepts weights from, as the operator sets it in the pod's environment: the job's
+    weights directory (filesystem), or trainer rank 0's manifest server (nccl, gloo)."""
+    needed = (environment.WEIGHTS_HOST, environment.WEIGHTS_PORT) if backend.collective else (environment.SHARED_DIR,)
+    missing = [name for name in needed if not environ.get(name)]
+    if missing:
+        raise SystemExit(
+            f"{' and '.join(missing)} not set: with weightSync.backend {backend.value} the operator sets it on "
+            "actor pods, and the actor loads weights only from there; run the actor as the operator renders it"
+        )
+    if backend.collective:
+        return TrainerManifests(environ[environment.WEIGHTS_HOST], int(environ[environment.WEIGHTS_PORT]))
+    return WeightsDirectory(weights_directory(Path(environ[environment.SHARED_DIR])))
 
-    def __init__(self, actor: Actor, loop: asyncio.AbstractEventLoop) -> None:
+
+class LoopEngine:
+    """The agent's Engine (called from its thread), carried out on the actor's event loop. It loads only weights
+    from ``origin``: the job's initial weights and every barrier's (a refused URI raises RefusedWeights, which
+    the agent acks as an error)."""
+
+    def __init__(self, actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOrigin) -> None:
         self.actor = actor
         self.loop = loop
+        self.origin = origin
 
     def _run(self, work: Coroutine[Any, Any, None]) -> None:
         asyncio.run_coroutine_threadsafe(work, self.loop).result()
@@ -172,23 +231,39 @@ class LoopEngine:
         self._run(self.actor.pause())
 
     def load(self, weights: Weights, group: TransferGroup | None) -> None:
+        self.origin.check(weights)
         self._run(self.actor.load(weights, group))
 
     def resume(self) -> None:
         self._run(self.actor.resume())
 
 
-def application(actor: Actor, ready: threading.Event, serving_at_least: int = BASE_VERSION) -> web.Application:
+def application(
+    actor: Actor, ready: threading.Event, applied: AppliedSettings, serving_at_least: int = BASE_VERSION
+) -> web.Application:
     """The actor's HTTP API; /ready answers 200 once ``ready`` is set and the actor serves
-    ``serving_at_least`` or newer."""
+    ``serving_at_least`` or newer, and reports the ``applied`` settings either way."""
 
     async def generate(request: web.Request) -> web.Response:
-        body = await request.json()
-        return web.json_response(await actor.generate(list(body["prompt_token_ids"]), dict(body.get("sampling", {}))))
+        try:
+            body = await request.json()
+            prompt = body.get("prompt_token_ids") if isinstance(body, dict) else None
+            if not (isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt)):
+                raise BadRequest("prompt_token_ids: expected a non-empty list of token ids (integers >= 0)")
+            sampling = body.get("sampling", {})
+            if not isinstance(sampling, dict):
+                raise BadRequest("sampling: expected an object of vLLM SamplingParams fields")
+            if sampling.get("n", 1) != 1:
+                raise BadRequest("sampling.n: the actor returns one completion per request; send n requests instead")
+            return web.json_response(await actor.generate(prompt, sampling))
+        except json.JSONDecodeError as error:
+            return web.json_response({"error": f"body: not JSON ({error})"}, status=400)
+        except BadRequest as error:
+            return web.json_response({"error": str(error)}, status=400)
 
     async def readiness(_: web.Request) -> web.Response:
         is_ready = ready.is_set() and actor.serving >= serving_at_least
-        body = {"ready": is_ready, "version": actor.serving, "updates": actor.updates}
+        body = {"ready": is_ready, "version": actor.serving, "updates": actor.updates, **applied.report()}
         return web.json_response(body, status=200 if is_ready else 503)
 
     async def metrics(_: web.Request) -> web.Response:
@@ -199,24 +274,23 @@ def application(actor: Actor, ready: threading.Event, serving_at_least: int = BA
     return app
 
 
-async def serve(options: argparse.Namespace) -> None:
+async def serve(options: argparse.Namespace, applied: AppliedSettings) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    settings = VllmSettings.model_validate(
-        {name: value for name, value in vars(options).items() if name in VllmSettings.model_fields}
-    )
     update = WeightUpdateSemantics()
-    if config_file := os.environ.get("LOCKSTEP_CONFIG"):
+    if config_file := os.environ.get(environment.CONFIG):
         update = WeightUpdateSemantics.model_validate(json.loads(Path(config_file).read_text())["weightUpdate"])
-    backend = WeightSyncBackend(os.environ.get("LOCKSTEP_WEIGHT_SYNC", WeightSyncBackend.FILESYSTEM))
-    llm = AsyncLLM.from_engine_args(engine_args(options.model, settings, backend))
+    backend = WeightSyncBackend(os.environ.get(environment.WEIGHT_SYNC, WeightSyncBackend.FILESYSTEM))
+    in_pod = bool(os.environ.get(environment.POD_NAME))
+    origin = weights_origin(backend, os.environ) if in_pod else None
+    llm = AsyncLLM.from_engine_args(engine_args(options.model, applied, backend))
     actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache, backend=backend)
-    logger.info("vLLM is up with %s; weights arrive by %s", settings_dict(settings), backend.value)
+    logger.info("vLLM is up with %s; weights arrive by %s", json.dumps(applied.report()), backend.value)
     ready = threading.Event()
     stop = threading.Event()
     serving_at_least = BASE_VERSION
-    if os.environ.get("POD_NAME"):
-        agent = _pod_agent(actor, asyncio.get_running_loop())
+    if origin is not None:
+        agent = _pod_agent(actor, asyncio.get_running_loop(), origin)
         if backend.collective:  # the committed weights come in the operator's catch-up barrier
             initial = await asyncio.to_thread(agent.initial_weights)
             serving_at_least = initial.version if initial is not None else BASE_VERSION
@@ -224,7 +298,7 @@ async def serve(options: argparse.Namespace) -> None:
             await asyncio.to_thread(agent.start)  # the newest committed weights, before ready
         threading.Thread(target=agent.run, args=(stop,), name="barrier-agent", daemon=True).start()
     ready.set()
-    runner = web.AppRunner(application(actor, ready, serving_at_least))
+    runner = web.AppRunner(application(actor, ready, applied, serving_at_least))
     await runner.setup()
     await web.TCPSite(runner, "0.0.0.0", options.port).start()
     stopping = asyncio.Event()
@@ -238,15 +312,26 @@ async def serve(options: argparse.Namespace) -> None:
         llm.shutdown()
 
 
-def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop) -> Any:
+def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOrigin) -> Any:
     from lockstep_workers.agent import AgentCore, PodAgent, pod_api
 
-    return PodAgent(AgentCore(LoopEngine(actor, loop)), pod_api(), os.environ["POD_NAMESPACE"], os.environ["POD_NAME"])
+    engine = LoopEngine(actor, loop, origin)
+    return PodAgent(
+        AgentCore(engine), pod_api(), os.environ[environment.POD_NAMESPACE], os.environ[environment.POD_NAME]
+    )
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings_parser().parse_args()))
+    options = settings_parser().parse_args()
+    settings = VllmSettings.model_validate(
+        {name: value for name, value in vars(options).items() if name in VllmSettings.model_fields}
+    )
+    try:
+        applied = applied_settings(settings)
+    except UnsupportedSetting as refused:
+        raise SystemExit(f"the actor does not start: {refused}") from None
+    asyncio.run(serve(options, applied))
 
 
 if __name__ == "__main__":

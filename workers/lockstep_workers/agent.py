@@ -16,8 +16,7 @@ from typing import Any, Protocol
 from kubernetes import client, config, watch
 
 from lockstep import keys
-from lockstep.api import Ack, BarrierPhase, Command, TransferGroup, Weights
-from lockstep.barrier import ACK_FOR, document, read_document
+from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, TransferGroup, Weights, document, read_document
 
 logger = logging.getLogger("lockstep.agent")
 
@@ -54,8 +53,9 @@ class AgentCore:
     def handle(self, command: Command) -> Ack:
         """Carry out ``command`` once; return the ack to write."""
         done = ACK_FOR[command.phase]
-        if self.last_ack is not None and self.last_ack.id == command.id and self.last_ack.phase == done:
-            return self.last_ack
+        last = self.last_ack
+        if last is not None and (last.id, last.phase, last.retry) == (command.id, done, command.retry):
+            return last  # carried out already; a new retry of a command that failed is carried out again
         weights = Weights(version=command.version, uri=command.uri, digest=command.digest)
         error = None
         try:
@@ -69,16 +69,28 @@ class AgentCore:
                 self.engine.resume()
                 self.paused = False
         except Exception as failure:  # the operator decides: fail the job or evict this pod
-            logger.exception("barrier %s, phase %s failed", command.id, command.phase.value)
             error = f"{type(failure).__name__}: {failure}"
+            logger.error(
+                "barrier %s, phase %s failed on this pod (%s); the operator retries it or replaces this member",
+                command.id,
+                command.phase.value,
+                error,
+            )
+            logger.debug("the failure's traceback", exc_info=True)
         self.last_ack = Ack(
             id=command.id,
             phase=done,
             loaded_version=self.loaded.version if self.loaded else None,
             digest=self.loaded.digest if self.loaded else None,
             error=error,
+            retry=command.retry,
         )
         return self.last_ack
+
+    def resumed(self, version: int) -> bool:
+        """Whether this member's last ack says it resumed ``version`` or a newer one."""
+        ack = self.last_ack
+        return ack is not None and ack.phase is ACK_FOR[BarrierPhase.RESUME] and (ack.loaded_version or 0) >= version
 
     def _pause(self) -> None:
         if not self.paused:

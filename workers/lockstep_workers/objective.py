@@ -52,6 +52,12 @@ def _clipped(ratio: torch.Tensor, advantages: torch.Tensor, objective: Objective
     return surrogate, ((ratio < low) | (ratio > high)).float()
 
 
+def loss_denominator(mask: torch.Tensor, objective: Objective) -> float:
+    """What ``policy_loss`` averages over in a batch with this [sequences, tokens] mask: its completion tokens for
+    PPO, its sequences for GRPO and GSPO (the weight of the batch's loss in a larger one)."""
+    return float(mask.sum().item()) if objective.algorithm is Algorithm.PPO else float(mask.shape[0])
+
+
 def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss to minimise and the step's metrics (plain floats)."""
     mask = batch.mask.float()

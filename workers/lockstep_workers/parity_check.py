@@ -40,14 +40,14 @@ from lockstep.api import (
     LogprobsMode,
     ParityPolicy,
     PauseMode,
-    PreflightResult,
     TrainerParity,
     VllmSettings,
-    Weights,
     WeightUpdateSemantics,
 )
-from lockstep.barrier import document
-from lockstep_workers.trainer import Rollout, token_logprobs
+from lockstep.protocol import PreflightResult, Weights, document
+from lockstep_workers import environment
+from lockstep_workers.learner import Policy, Rollout, token_logprobs
+from lockstep_workers.vllm_args import UnsupportedSetting
 
 logger = logging.getLogger("lockstep.parity")
 
@@ -204,9 +204,9 @@ async def _run_engine(
     """The three workloads' rollouts from one vLLM engine run with ``configuration``."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers.actor import Actor, engine_args
+    from lockstep_workers.actor import Actor, applied_settings, engine_args
 
-    llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), configuration.vllm))
+    llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(configuration.vllm)))
     actor = Actor(llm, pause_mode=configuration.update.pause_mode, clear_cache=configuration.update.clear_cache)
     sampling = {"temperature": workload.temperature, "max_tokens": workload.tokens, "ignore_eos": True}
     try:
@@ -261,9 +261,8 @@ def measure(
             model = trainer_model(configuration.dtype(model_dir), updated=name == "sharedPrefix")
             top_p = workload.top_p if name == "topP" else 1.0
             with torch.no_grad():
-                recomputed, _, _ = token_logprobs(
-                    model, sampled, workload.temperature, top_p=top_p, fp32_head=configuration.fp32_head
-                )
+                policy = Policy(model, fp32_head=configuration.fp32_head)
+                recomputed, _, _ = token_logprobs(policy, sampled, workload.temperature, top_p=top_p)
             trainer = [v for row, r in enumerate(sampled) for v in recomputed[row, : len(r.completion)].tolist()]
             engine = [v for r in sampled for v in r.logprobs]
             measurement.workloads[name] = compare(engine, trainer, workload.epsilon, workload.cap)
@@ -416,16 +415,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> int:
-    """Measure the job's effective configuration and write a PreflightResult on this pod."""
+    """Measure the job's effective configuration and write a PreflightResult on this pod (with the engine
+    arguments the settings were applied as); exit 1, naming them, when this vLLM cannot honour the settings."""
+    from lockstep_workers.actor import applied_settings
     from lockstep_workers.agent import pod_api
 
-    config = json.loads(Path(environ["LOCKSTEP_CONFIG"]).read_text())
+    config = json.loads(Path(environ[environment.CONFIG]).read_text())
     configuration = Configuration(
         f"the job's effective configuration (ParityPolicy {config['policy']!r})",
         VllmSettings.model_validate(config["vllm"]),
         TrainerParity.model_validate(config["trainer"]).lm_head_dtype is DType.FLOAT32,
         WeightUpdateSemantics.model_validate(config["weightUpdate"]),
     )
+    try:
+        applied = applied_settings(configuration.vllm)
+    except UnsupportedSetting as refused:
+        raise SystemExit(f"the preflight does not start: {refused}") from None
     with tempfile.TemporaryDirectory() as workdir:
         [measurement] = measure([configuration], model, Path(workdir), workload)
     batch, top = measurement.workloads["batch"], measurement.workloads["topP"]
@@ -435,12 +440,13 @@ def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> in
         clip_fraction=batch["clipFraction"],
         outside_top_p_per_thousand=top["outsideTopP"] * 1000 / max(top["tokens"], 1),
         tokens=int(batch["tokens"]),
+        engine_args=applied.engine_args,
+        satisfied_by_construction=sorted(applied.satisfied_by_construction),
     )
     annotations = {keys.PREFLIGHT: document(result)}
-    pod_api().patch_namespaced_pod(
-        environ["POD_NAME"], environ["POD_NAMESPACE"], {"metadata": {"annotations": annotations}}
-    )
-    logger.info("preflight result written on pod %s: %s", environ["POD_NAME"], _summary(measurement))
+    pod = environ[environment.POD_NAME]
+    pod_api().patch_namespaced_pod(pod, environ[environment.POD_NAMESPACE], {"metadata": {"annotations": annotations}})
+    logger.info("preflight result written on pod %s: %s", pod, _summary(measurement))
     return 0
 
 

@@ -4,15 +4,24 @@ real (word-level) tokenizer, small enough for vLLM and torch on a CPU. Nothing i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+"""A chat template for a word-level tokenizer: ``<s> user : what is two plus two ? assistant :``. Its words
+(the roles and ``:``) must be in the vocabulary."""
+CHAT_WORDS = ("system", "user", "assistant", ":")
 
 
-def vocabulary(size: int) -> dict[str, int]:
-    """Special tokens first, then the words ``w0``, ``w1``, ... up to ``size`` entries."""
-    words = [*SPECIAL_TOKENS, *(f"w{i}" for i in range(size - len(SPECIAL_TOKENS)))]
-    return {word: index for index, word in enumerate(words)}
+def vocabulary(size: int, words: Sequence[str] = ()) -> dict[str, int]:
+    """Special tokens first, then ``words``, then the words ``w0``, ``w1``, ... up to ``size`` entries."""
+    named = [*SPECIAL_TOKENS, *words]
+    everything = [*named, *(f"w{i}" for i in range(size - len(named)))]
+    return {word: index for index, word in enumerate(everything)}
 
 
 def create_tiny_llama(
@@ -24,10 +33,13 @@ def create_tiny_llama(
     dtype: str = "float32",
     seed: int = 0,
     head_scale: float = 1.0,
+    words: Sequence[str] = (),
+    chat_template: str | None = None,
 ) -> Path:
     """Write a random Llama (config, safetensors weights, tokenizer) to ``directory`` and return it.
 
-    head_dim is 64: the CPU attention kernel rejects smaller heads. ``head_scale`` multiplies the lm_head.
+    head_dim is 64: the CPU attention kernel rejects smaller heads. ``head_scale`` multiplies the lm_head. The
+    vocabulary holds ``words`` (vocabulary); the tokenizer has ``chat_template`` if given.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -36,7 +48,7 @@ def create_tiny_llama(
     torch.manual_seed(seed)
     head_dim = 64
     heads = hidden_size // head_dim
-    vocab = vocabulary(vocab_size)
+    vocab = vocabulary(vocab_size, words)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -65,5 +77,6 @@ def create_tiny_llama(
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
+        chat_template=chat_template,
     ).save_pretrained(directory)
     return directory

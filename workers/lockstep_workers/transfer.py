@@ -25,6 +25,7 @@ import re
 import threading
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ import torch
 from pydantic import Field
 from safetensors import safe_open
 
-from lockstep.api import Model, TransferGroup, Weights, WeightSyncBackend
-from lockstep_workers.weights import digest_of, version_path
+from lockstep.api import WeightSyncBackend
+from lockstep.protocol import TransferGroup, Weights
+from lockstep.schema import Model
+from lockstep_workers.weights import RefusedWeights, digest_of, version_path
 
 logger = logging.getLogger("lockstep.transfer")
 
@@ -143,6 +146,23 @@ class ManifestServer:
 
 def manifest_uri(host: str, port: int, version: int) -> str:
     return f"http://{host}:{port}/weights/{version}"
+
+
+@dataclass(frozen=True)
+class TrainerManifests:
+    """The collective backends' origin: the manifest server of the job's trainer rank 0, at ``host``:``port``
+    ($LOCKSTEP_WEIGHTS_HOST, $LOCKSTEP_WEIGHTS_PORT); a version's only URI is ``manifest_uri`` of that version."""
+
+    host: str
+    port: int
+
+    def check(self, weights: Weights) -> None:
+        expected = manifest_uri(self.host, self.port, weights.version)
+        if weights.uri != expected:
+            raise RefusedWeights(
+                f"refusing weights version {weights.version} at {weights.uri}: this pod takes weights only from "
+                f"its job's trainer, whose manifest of that version is at {expected}"
+            )
 
 
 def fetch_manifest(weights: Weights) -> Manifest:

@@ -2,25 +2,65 @@
 
 The trainer publishes version N as ``v000N.safetensors``: written to a temporary name, hashed,
 renamed into place (atomic), announced with its sha256; older versions beyond ``keep`` are removed.
-An actor opens a version only after checking the digest it was told.
+An actor opens a version only from its job's own weights directory (``WeightsDirectory``), and only after
+checking the digest it was told.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
+from typing import Protocol
+from urllib.parse import unquote, urlparse
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from lockstep.api import Weights
+from lockstep.protocol import Weights
 
 
 class DigestMismatch(OSError):
     """The file is not the one that was announced."""
+
+
+class RefusedWeights(ValueError):
+    """Weights announced at a URI outside the job's own weights: never loaded."""
+
+
+class WeightsOrigin(Protocol):
+    """Where a pod accepts weights from."""
+
+    def check(self, weights: Weights) -> None:
+        """Return if ``weights.uri`` is this origin's URI for ``weights.version``; raise RefusedWeights, naming
+        the URI and the allowed location, otherwise."""
+
+
+def weights_directory(shared_dir: Path) -> Path:
+    """Where the trainer publishes weights in the job's directory ($LOCKSTEP_SHARED_DIR)."""
+    return shared_dir / "weights"
+
+
+@dataclass(frozen=True)
+class WeightsDirectory:
+    """The filesystem backend's origin: files that resolve (after symlinks and '..') inside ``directory``."""
+
+    directory: Path
+
+    def check(self, weights: Weights) -> None:
+        root = self.directory.resolve()
+        try:
+            path = local_path(weights).resolve()
+        except ValueError as error:
+            raise RefusedWeights(f"{error}; weights are accepted only from files in {root}") from error
+        if root not in path.parents:
+            raise RefusedWeights(
+                f"refusing weights version {weights.version} at {weights.uri}: it resolves to {path}, outside the "
+                f"job's weights directory {root}, the only place this pod loads weights from"
+            )
 
 
 def digest_of(path: Path) -> str:
@@ -31,16 +71,24 @@ def digest_of(path: Path) -> str:
     return f"sha256:{sha.hexdigest()}"
 
 
+RETAIN_SECONDS = 900.0
+"""How long a published version stays, whatever is published after it: a new actor starts from the version the
+job had committed when its pod was created, and reads it only once its pod has started."""
+
+
 def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int = 3) -> Weights:
-    """Write ``tensors`` as weights version ``version``; return what to announce."""
+    """Write ``tensors`` as weights version ``version``; return what to announce. Older versions go once they are
+    neither among the ``keep`` newest nor younger than RETAIN_SECONDS."""
     directory.mkdir(parents=True, exist_ok=True)
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
     save_file(_untied(tensors), str(partial))
     digest = digest_of(partial)
     os.replace(partial, final)
+    retained_since = time.time() - RETAIN_SECONDS
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
-        old.unlink(missing_ok=True)
+        if old.stat().st_mtime < retained_since:
+            old.unlink(missing_ok=True)
     return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
 
 
@@ -68,10 +116,11 @@ def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def local_path(weights: Weights) -> Path:
+    """The local file a ``file://`` URI names (percent-escapes decoded, as ``Path.as_uri`` writes them)."""
     parsed = urlparse(weights.uri)
-    if parsed.scheme != "file":
-        raise ValueError(f"the filesystem transport reads file:// URIs, not {weights.uri!r}")
-    return Path(parsed.path)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"the filesystem transport reads local file:// URIs, not {weights.uri!r}")
+    return Path(unquote(parsed.path))
 
 
 def verified_path(weights: Weights) -> Path:

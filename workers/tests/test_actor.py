@@ -10,8 +10,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def assert_spans_the_update(result: dict[str, Any], model_dir: Path, updated: di
 def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers.actor import Actor, engine_args
+    from lockstep_workers.actor import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import create_tiny_llama
     from lockstep_workers.weights import DigestMismatch
 
@@ -102,7 +103,7 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
     updated, weights = updated_model(model_dir, tmp_path / "weights")
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), locked_settings()))
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(locked_settings())))
         actor = Actor(llm)
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
@@ -186,6 +187,20 @@ def _stop(actor: subprocess.Popen[bytes]) -> None:
 
 def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_path: Path) -> None:
     with actor_process(tmp_path) as (base, _, actor):
+        with urllib.request.urlopen(f"{base}/ready", timeout=5) as response:
+            ready = json.loads(response.read())
+        assert ready["engineArgs"] == {
+            "logprobs_mode": "processed_logprobs",
+            "enable_prefix_caching": False,
+            "async_scheduling": False,
+            "hf_overrides": {"head_dtype": "float32"},
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 256,
+            "gpu_memory_utilization": 0.2,
+        }, "every setting the operator rendered but one, applied by vLLM's names"
+        assert ready["satisfiedByConstruction"] == ["disableCascadeAttn"], "vLLM 0.32 has no cascade attention"
+        assert "UserWarning: --disable-cascade-attn" not in (tmp_path / "actor.log").read_text(), "not passed"
         body = json.dumps(
             {"prompt_token_ids": [1, 5, 6], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
         ).encode()
@@ -196,6 +211,23 @@ def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_p
         assert all(lp <= 0 for lp in result["logprobs"])
         with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
             assert "lockstep_actor_generated_tokens_total 8.0" in response.read().decode()
+        bad = {
+            b"not json": "body: not JSON",
+            b'{"sampling": {}}': "prompt_token_ids: expected a non-empty list",
+            b'{"prompt_token_ids": [1, "2"]}': "prompt_token_ids: expected a non-empty list",
+            b'{"prompt_token_ids": [1], "sampling": []}': "sampling: expected an object",
+            b'{"prompt_token_ids": [1], "sampling": {"temperature": -1}}': "sampling: temperature must be",
+            b'{"prompt_token_ids": [1], "sampling": {"colour": 1}}': "sampling: ",
+            b'{"prompt_token_ids": [1, 99999999]}': "prompt_token_ids or sampling: ",
+            b'{"prompt_token_ids": [1], "sampling": {"n": 2}}': "sampling.n: the actor returns one completion",
+            b'{"prompt_token_ids": [1], "sampling": {"logprobs": 5}}': "sampling: ",
+            b"[1, 2]": "prompt_token_ids: expected a non-empty list",
+        }
+        for sent, named in bad.items():
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(f"{base}/generate", data=sent), timeout=30)
+            assert refused.value.code == 400, sent
+            assert json.loads(refused.value.read())["error"].startswith(named), sent
         for path in ("/collective_rpc", "/reset_prefix_cache", "/v1/completions"):
             with pytest.raises(urllib.error.HTTPError) as missing:
                 urllib.request.urlopen(urllib.request.Request(f"{base}{path}", data=b"{}"), timeout=5)
@@ -208,21 +240,39 @@ def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_p
         assert not alive, f"vLLM processes left behind: {alive}"
 
 
+async def two_turns(row: Mapping[str, Any], prompt_token_ids: list[int], client: Any) -> Any:
+    """A toy two-turn episode: the policy answers, the environment inserts three tokens, the policy answers again."""
+    from lockstep_workers.episodes import Episode
+
+    first = await client.generate(prompt_token_ids)
+    inserted = [40, 41, 42]
+    second = await client.generate(prompt_token_ids + first.token_ids + inserted, {"max_tokens": 5})
+    return Episode(
+        first.token_ids + inserted + second.token_ids,
+        first.logprobs + [0.0] * len(inserted) + second.logprobs,
+        [True] * len(first.token_ids) + [False] * len(inserted) + [True] * len(second.token_ids),
+    )
+
+
 def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     from lockstep.api import Objective
+    from lockstep_workers.learner import Policy, learn
     from lockstep_workers.rewards import target_words
-    from lockstep_workers.trainer import collect_rollouts, learn
+    from lockstep_workers.rollouts import FixedActors, collect_rollouts
 
     with actor_process(tmp_path) as (base, model_dir, _):
         sampling = {"temperature": 0.7, "max_tokens": 12, "ignore_eos": True}
-        rollouts = asyncio.run(collect_rollouts([base], [[1, 10, 11], [1, 20, 21]], 4, sampling))
+        rollouts = asyncio.run(collect_rollouts(FixedActors([base]), [[1, 10, 11], [1, 20, 21]], 4, sampling))
+        episodes = asyncio.run(collect_rollouts(FixedActors([base]), [[1, 30, 31]], 4, sampling, function=two_turns))
     assert len(rollouts) == 8 and all(len(r.completion) == 12 for r in rollouts)
+    assert all(r.policy_mask == [True] * 12 + [False] * 3 + [True] * 5 for r in episodes)
+    rollouts += [replace(r, group=2) for r in episodes]  # the second turn is exact after the inserted tokens
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     metrics = learn(
-        model,
+        Policy(model),
         torch.optim.Adam(model.parameters(), lr=1e-3),
         rollouts,
         [target_words(r.prompt, r.completion) for r in rollouts],

@@ -12,14 +12,17 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockstep.api import Ack, BarrierPhase, BarrierRecord, BarrierStatus, Command, TimeoutAction, TransferGroup, Weights
-from lockstep.barrier import ACK_FOR, Member, document, parse_ack, remember, step
+from lockstep.api import BarrierRecord, BarrierStatus, TimeoutAction
+from lockstep.barrier import Member, remember, step
+from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, TransferGroup, Weights, document, parse_ack
 from lockstep_workers.agent import AgentCore
 
 START = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
@@ -99,7 +102,7 @@ class World:
     def member(self, pod: Pod) -> Member:
         ack = parse_ack(pod.ack)
         loaded = ack.loaded_version if isinstance(ack, Ack) and ack.loaded_version else pod.initial
-        return Member(pod.name, pod.uid, alive=True, loaded_version=loaded, ack=pod.ack)
+        return Member(pod.name, pod.uid, loaded_version=loaded, ack=pod.ack)
 
     def operate(self) -> None:
         """One operator pass; the status goes through JSON, as it does through the API server."""
@@ -247,3 +250,30 @@ def test_a_redelivered_command_is_acked_again_but_not_repeated() -> None:
         assert agent.handle(command) == first
         assert first.phase == ACK_FOR[phase]
     assert engine.calls == ["pause", "load 1", "resume"]
+
+
+def test_a_failed_command_is_carried_out_again_only_when_asked_again(caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine(fail_next_load=True)
+    agent = AgentCore(engine)
+    update = Command(id="job/1/1", version=1, uri="u", digest="d", phase=BarrierPhase.UPDATE)
+    with caplog.at_level(logging.INFO, logger="lockstep.agent"):
+        failed = agent.handle(update)
+    assert failed.error is not None and failed.retry == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"barrier job/1/1, phase Update failed on this pod ({failed.error}); "
+        "the operator retries it or replaces this member"
+    ], "one line that says what failed, without a traceback"
+    assert agent.handle(update) == failed, "the same try is acked again, not repeated"
+    retried = agent.handle(update.model_copy(update={"retry": 1}))
+    assert retried.error is None and retried.retry == 1 and retried.loaded_version == 1
+    assert engine.calls == ["pause", "load 1"]
+
+
+def test_a_member_has_resumed_a_version_only_once_it_acked_resumed_for_it() -> None:
+    """What the sending trainer waits for before it stops its agent: its own part in the last barrier."""
+    agent = AgentCore(FakeEngine())
+    update = Command(id="job/2/1", version=2, uri="u", digest="d", phase=BarrierPhase.UPDATE)
+    agent.handle(update)
+    assert not agent.resumed(2), "loaded, not resumed yet"
+    agent.handle(update.model_copy(update={"phase": BarrierPhase.RESUME}))
+    assert agent.resumed(2) and agent.resumed(1) and not agent.resumed(3)

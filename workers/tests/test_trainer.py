@@ -1,16 +1,28 @@
-"""A tiny random model learns the demo task with the trainer's step: the reward rises."""
+"""The trainer: a tiny random model learns the demo task with ``learn``; the chunked head and micro-batches compute
+what one pass over the full logits does; sharded over 2 ranks (FSDP2 over gloo) it trains as 1 rank does; a trainer
+stopped between steps and restarted, with another number of ranks, goes on from its checkpoint as if never stopped."""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import socket
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from lockstep.api import Objective, TruncatedImportanceSampling
+from lockstep.api import Dataset, Evaluation, Objective, Training, TruncatedImportanceSampling
+from lockstep_workers import learner
+from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
 from lockstep_workers.rewards import target_words
+from lockstep_workers.rollouts import Rows
+from lockstep_workers.scoring import load_callable
 from lockstep_workers.tiny_model import create_tiny_llama
-from lockstep_workers.trainer import Rollout, learn, load_reward, token_logprobs
 
 TEMPERATURE = 1.0
 
@@ -29,31 +41,34 @@ def sample(model: torch.nn.Module, prompts: list[list[int]], group: int, length:
             completion = tokens[len(prompt) :]
             stub = Rollout(prompt, completion, [0.0] * length, index)
             with torch.no_grad():
-                logprobs, _, _ = token_logprobs(model, [stub], TEMPERATURE)
+                logprobs, _, _ = token_logprobs(Policy(model), [stub], TEMPERATURE)
             rollouts.append(Rollout(prompt, completion, logprobs[0].tolist(), index))
     return rollouts
 
 
-def test_reward_rises_on_the_tiny_task(tmp_path: Path) -> None:
+def tiny(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(create_tiny_llama(path), dtype=torch.float32)
+
+
+def test_reward_rises_on_the_tiny_task(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(create_tiny_llama(tmp_path / "model"), dtype=torch.float32)
+    model = tiny(tmp_path / "model")
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     objective = Objective(
         algorithm="grpo",
         learning_rate=3e-3,
         truncated_importance_sampling=TruncatedImportanceSampling(enabled=True, cap=2.0),
     )
-    reward = load_reward("lockstep_workers.rewards:target_words")
+    reward = load_callable("lockstep_workers.rewards:target_words")
     assert reward is target_words
     prompts = [[1, 10, 11], [1, 20, 21], [1, 30, 31], [1, 40, 41]]
     history = []
     for _ in range(25):
         rollouts = sample(model, prompts, group=6, length=6)
-        metrics = learn(
-            model, optimizer, rollouts, [reward(r.prompt, r.completion) for r in rollouts], objective, TEMPERATURE
-        )
+        rewards = [reward(r.prompt, r.completion) for r in rollouts]
+        metrics = learn(Policy(model), optimizer, rollouts, rewards, objective, TEMPERATURE)
         history.append(metrics)
         assert metrics["mean_abs_logprob_diff"] < 1e-4, "trainer and sampler agree exactly here"
     first, last = sum(m["reward"] for m in history[:5]) / 5, sum(m["reward"] for m in history[-5:]) / 5
@@ -61,10 +76,60 @@ def test_reward_rises_on_the_tiny_task(tmp_path: Path) -> None:
     assert last > first + 0.2, f"reward {first:.3f} -> {last:.3f}"
 
 
-def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_version(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
+def test_the_chunked_head_scores_tokens_as_the_full_logits_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of 5 tokens, with gradient (recomputed in the backward pass) and without, top-p included: the same
+    logprobs, entropies and gradients as log-softmax over the whole batch's logits."""
+    model = tiny(tmp_path / "model")
+    rollouts = [
+        Rollout([1, 10, 11], [20, 30, 40, 50], [0.0] * 4, 0),
+        Rollout([1, 12], [21, 31, 41, 51, 61, 71, 81], [0.0] * 7, 1),
+    ]
+    for top_p in (1.0, 0.9):
+        ids = torch.tensor([[1, 10, 11, 20, 30, 40, 50, 0, 0], [1, 12, 21, 31, 41, 51, 61, 71, 81]])
+        attention = torch.tensor([[1] * 7 + [0] * 2, [1] * 9])
+        logits = model(ids, attention_mask=attention).logits.float() / TEMPERATURE
+        scores = learner.top_p_masked(logits, top_p).log_softmax(-1) if top_p < 1 else logits.log_softmax(-1)
+        expected = [scores[0, 2:6].gather(1, torch.tensor([[20], [30], [40], [50]]))[:, 0]]
+        expected.append(scores[1, 1:8].gather(1, torch.tensor([[21], [31], [41], [51], [61], [71], [81]]))[:, 0])
+        entropy = -(scores.exp() * scores.nan_to_num(neginf=0.0)).sum(-1)
+        reference = torch.autograd.grad(sum(e[e.isfinite()].sum() for e in expected), model.lm_head.weight)[0]
 
-    model = AutoModelForCausalLM.from_pretrained(create_tiny_llama(tmp_path / "model"), dtype=torch.float32)
+        monkeypatch.setattr(learner, "HEAD_CHUNK_TOKENS", 5)
+        with torch.no_grad():
+            logprobs, entropies, mask = token_logprobs(
+                Policy(model), rollouts, TEMPERATURE, top_p=top_p, with_entropy=True
+            )
+        assert entropies is not None and mask.sum() == 11
+        torch.testing.assert_close(logprobs[0, :4], expected[0].detach())
+        torch.testing.assert_close(logprobs[1], expected[1].detach())
+        torch.testing.assert_close(entropies[0, :4], entropy[0, 2:6].detach())
+        with_grad, _, _ = token_logprobs(Policy(model), rollouts, TEMPERATURE, top_p=top_p)
+        (gradient,) = torch.autograd.grad(with_grad[with_grad.isfinite() & mask.bool()].sum(), model.lm_head.weight)
+        torch.testing.assert_close(gradient, reference)
+        if top_p < 1:
+            assert logprobs.isinf().any(), "some sampled tokens fall outside top-p 0.9 of a random model"
+
+
+def test_micro_batches_accumulate_the_gradient_of_one_pass(tmp_path: Path) -> None:
+    model = tiny(tmp_path / "model")
+    rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=4, length=5)
+    rewards = [target_words(r.prompt, r.completion) for r in rollouts]
+    trained = {}
+    for tokens in (None, 16):
+        copy = tiny(tmp_path / "model")
+        optimizer = torch.optim.SGD(copy.parameters(), lr=1.0)
+        for algorithm in ("ppo", "grpo", "gspo"):
+            objective = Objective(algorithm=algorithm, minibatches=1, tokens_per_micro_batch=tokens)
+            learn(Policy(copy), optimizer, rollouts, rewards, objective, TEMPERATURE)
+        trained[tokens] = copy.state_dict()
+    assert len(learner.micro_batches(range(8), rollouts, 16, torch.device("cpu"))) == 4
+    for name, tensor in trained[None].items():
+        torch.testing.assert_close(trained[16][name], tensor, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(t, model.state_dict()[n]) for n, t in trained[None].items()), "the steps moved"
+
+
+def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_version(tmp_path: Path) -> None:
+    model = tiny(tmp_path / "model")
     [exact] = sample(model, [[1, 10, 11]], group=1, length=4)
     off = [lp - 0.5 for lp in exact.logprobs]  # as if sampled under other weights
     rollouts = [
@@ -72,62 +137,131 @@ def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_ver
         Rollout(exact.prompt, exact.completion, off, 0, [2, 2, 3, 3]),  # spans an update: KV from version 2
     ]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    metrics = learn(model, optimizer, rollouts, [0.0, 1.0], Objective(minibatches=1), TEMPERATURE, version=3)
+    metrics = learn(Policy(model), optimizer, rollouts, [0.0, 1.0], Objective(minibatches=1), TEMPERATURE, version=3)
     assert metrics["onpolicy_mean_abs_logprob_diff"] < 1e-5, "only the first sequence counts"
     assert metrics["mean_abs_logprob_diff"] > 0.2, "over all tokens the second sequence's offset shows"
     assert metrics["onpolicy_token_fraction"] == 0.5
     assert metrics["spanning_sequence_fraction"] == 0.5
-    assert metrics["lag"] == 1
+    assert metrics["staleness"] == 1
+
+
+def test_a_sample_older_than_max_lag_never_reaches_the_loss(tmp_path: Path) -> None:
+    from lockstep_workers.rollouts import fresh_rollouts
+
+    model = tiny(tmp_path / "model")
+    [fresh] = sample(model, [[1, 10, 11]], group=1, length=4)
+
+    class Actors:
+        """The first sampling has one token two versions behind; samples taken again are current."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int]] = []
+
+        def wait_until_ready(self) -> None: ...
+
+        def wait_for_version(self, version: int) -> None:
+            self.calls.append((-1, version))
+
+        def sample(
+            self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
+        ) -> list[Rollout]:
+            self.calls.append((len(prompts), group))
+            versions = [5, 5, 5, 5] if len(self.calls) > 1 else [3, 4, 5, 5]
+            return [
+                Rollout(fresh.prompt, fresh.completion, fresh.logprobs, n, versions)
+                for n in range(len(prompts))
+                for _ in range(group)
+            ]
+
+    actors = Actors()
+    sampled, dropped = fresh_rollouts(actors, [fresh.prompt] * 2, 2, {}, version=5, max_lag=1)
+    assert dropped == 4 and actors.calls == [(2, 2), (-1, 4), (4, 1)], "dropped, then sampled again within the bound"
+    assert [r.group for r in sampled] == [0, 0, 1, 1] and all(learner.lag_of(r, 5) == 0 for r in sampled)
+    assert fresh_rollouts(actors, [fresh.prompt], 2, {}, version=6, max_lag=1)[1] == 0, "one version behind: kept"
+
+    stale = Rollout(fresh.prompt, fresh.completion, fresh.logprobs, 0, [3, 4, 5, 5])
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match=r"1 rollout\(s\) up to 2 versions behind weights version 5, more than "):
+        learn(Policy(model), optimizer, [fresh, stale], [0.0, 1.0], Objective(), TEMPERATURE, version=5, max_lag=1)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items()), "no step taken"
+
+
+def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
+    """Two copies of a batch whose environment tokens carry different rollout logprobs train alike; without the
+    mask the difference would reach the loss (through the importance weights)."""
+    model = tiny(tmp_path / "model")
+    rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=2, length=6)
+    mask = [True, True, False, False, True, True]
+    rewards = [0.0, 1.0, 1.0, 0.0]
+    objective = Objective(algorithm="ppo", minibatches=1)
+    trained = []
+    for inserted in (0.0, -30.0):
+        logprobs = [[lp if own else inserted for lp, own in zip(r.logprobs, mask, strict=True)] for r in rollouts]
+        episodes = [Rollout(r.prompt, r.completion, lps, r.group) for r, lps in zip(rollouts, logprobs, strict=True)]
+        for policy_mask in (mask, []):
+            copy = tiny(tmp_path / "model")
+            masked = [Rollout(r.prompt, r.completion, r.logprobs, r.group, [], policy_mask) for r in episodes]
+            metrics = learn(Policy(copy), torch.optim.SGD(copy.parameters(), lr=1.0), masked, rewards, objective, 1.0)
+            trained.append((copy.state_dict(), metrics["mean_abs_logprob_diff"]))
+    (masked_zero, diff_zero), (_, unmasked_zero), (masked_far, diff_far), (_, unmasked_far) = trained
+    for name, tensor in masked_zero.items():
+        torch.testing.assert_close(masked_far[name], tensor)
+    assert diff_zero == diff_far < 1e-4, "the environment's tokens are not measured either"
+    assert unmasked_far > unmasked_zero + 5, "unmasked, the inserted tokens' logprobs would count"
+
+
+def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
+    from lockstep_workers.episodes import single_turn
+    from lockstep_workers.trainer import load_rollout_function
+
+    assert load_rollout_function(None) is single_turn
+    assert load_rollout_function("lockstep_workers.episodes:single_turn") is single_turn
+    with pytest.raises(ValueError, match=r"'lockstep_workers.rewards:target_words' is not an async function"):
+        load_rollout_function("lockstep_workers.rewards:target_words")
 
 
 def test_the_trainer_refuses_to_run_without_its_weights_directory(tmp_path: Path) -> None:
-    from lockstep.api import Training
-    from lockstep_workers.trainer import PodEnvironment, train
+    from lockstep_workers.pod import PodEnvironment
+    from lockstep_workers.rollouts import ActorService, FixedActors
+    from lockstep_workers.trainer import train
 
     env = PodEnvironment(0, 1, ["http://actors:8000"], None, {}, None, None, 0)
+    actors = ActorService(FixedActors(env.actors))
     with pytest.raises(SystemExit, match=r"LOCKSTEP_SHARED_DIR is not set: the operator sets it"):
-        train(str(tmp_path), Training(reward="lockstep_workers.rewards:target_words"), env)
+        train(str(tmp_path), Training(reward="lockstep_workers.rewards:target_words"), env, actors)
 
 
 def test_the_trainers_top_p_mask_is_vllms() -> None:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from lockstep_workers.trainer import top_p_masked
-
     logits = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 4
     for top_p in (0.5, 0.9, 0.99):
         expected = apply_top_k_top_p_pytorch(logits.clone(), None, torch.full((64,), top_p))
-        assert torch.equal(top_p_masked(logits, top_p).isinf(), expected.isinf()), f"top_p={top_p}"
+        assert torch.equal(learner.top_p_masked(logits, top_p).isinf(), expected.isinf()), f"top_p={top_p}"
 
 
-def test_a_restarted_trainer_resumes_from_the_committed_weights(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
+def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_path: Path) -> None:
+    from lockstep_workers.trainer import Resumption, resumption
+    from lockstep_workers.weights import publish, version_path
 
-    from lockstep_workers.trainer import resume
-    from lockstep_workers.weights import publish
-
-    directory = create_tiny_llama(tmp_path / "model")
-    trained = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in trained.parameters():
-            parameter.add_(0.1)
-    committed = publish(trained.state_dict(), tmp_path / "weights", version=7)
-    fresh = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    assert resume(fresh, None, tmp_path / "nothing-published") == 1
+    model = tiny(tmp_path / "model")
+    weights, checkpoints = tmp_path / "weights", tmp_path / "checkpoints"
+    assert resumption(None, tmp_path / "nothing-published", checkpoints) == Resumption(1)
+    committed = publish(model.state_dict(), weights, version=7)
     announced = committed.model_copy(update={"uri": "http://trainer:9500/weights/7"})  # a collective backend's
-    assert resume(fresh, announced, tmp_path / "weights") == 8, "the trainer resumes from its own files"
-    expected = trained.state_dict()
-    assert all(torch.equal(tensor, expected[name]) for name, tensor in fresh.state_dict().items())
+    assert resumption(announced, weights, checkpoints) == Resumption(8, version_path(weights, 7)), "its own files"
     with pytest.raises(SystemExit, match=r"set spec\.weightSync\.volume so that a restarted trainer finds"):
-        resume(fresh, committed, tmp_path / "lost-with-its-pod")
+        resumption(committed, tmp_path / "lost-with-its-pod", checkpoints)
 
-    with torch.no_grad():
-        for parameter in trained.parameters():
-            parameter.add_(0.1)
-    publish(trained.state_dict(), tmp_path / "weights", version=8)  # announced; its update may be in flight
-    assert resume(fresh, committed, tmp_path / "weights") == 9, "version 8 keeps naming the weights announced as 8"
-    expected = trained.state_dict()
-    assert all(torch.equal(tensor, expected[name]) for name, tensor in fresh.state_dict().items())
+    (checkpoints / "step-000007").mkdir(parents=True)
+    assert resumption(committed, weights, checkpoints).checkpoint is None, "an incomplete checkpoint is not loaded"
+    (checkpoints / "step-000007" / ".metadata").touch()
+    assert resumption(committed, weights, checkpoints) == Resumption(8, None, 7), "the checkpoint holds version 7"
+    publish(model.state_dict(), weights, version=8)  # announced; its update may be in flight
+    assert resumption(committed, weights, checkpoints) == Resumption(9, version_path(weights, 8), 7), (
+        "version 8 keeps naming the weights announced as 8; the optimizer state comes from step 7"
+    )
 
 
 def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
@@ -138,3 +272,163 @@ def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: P
     embedding = torch.randn(8, 4)
     weights = publish({"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}, tmp_path, version=1)
     assert set(load_file(str(local_path(weights)))) == {"model.embed_tokens.weight"}
+
+
+# -- the trainer's loop on 1 and 2 ranks (FSDP2 over gloo), against scripted actors ------------------------------
+
+
+class ScriptedActors:
+    """Actors whose completions depend on the prompt alone (the same batch for the same step, whatever the weights),
+    sampled under the version the trainer last published."""
+
+    def __init__(self, length: int = 6, vocabulary: int = 256) -> None:
+        self.length = length
+        self.vocabulary = vocabulary
+
+    def wait_until_ready(self) -> None:
+        pass
+
+    def wait_for_version(self, version: int) -> None:
+        pass
+
+    def sample(
+        self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
+    ) -> list[Rollout]:
+        rollouts = []
+        for index, prompt in enumerate(prompts):
+            words = random.Random(str(prompt))
+            for _ in range(group):
+                completion = [words.randrange(3, self.vocabulary) for _ in range(self.length)]
+                rollouts.append(Rollout(list(prompt), completion, [-5.5] * self.length, index))
+        return rollouts
+
+
+SETTINGS = Training.model_validate(
+    {
+        "reward": "lockstep_workers.rewards:target_words",
+        "checkpointEverySteps": 1,
+        "checkpointsKept": 2,
+        "rollout": {"promptsPerStep": 4, "samplesPerPrompt": 4},
+        "objective": {"algorithm": "grpo", "learningRate": 0.003, "minibatches": 2, "tokensPerMicroBatch": 40},
+    }
+)
+
+
+def _rank(rank: int, world: int, port: int, model: str, shared: str, settings: Training, vocabulary: int) -> None:
+    from lockstep_workers.pod import PodEnvironment
+    from lockstep_workers.trainer import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    env = PodEnvironment(rank, world, ["scripted"], Path(shared), {}, None, None, 0)
+    train(model, settings, env, ScriptedActors(vocabulary=vocabulary))
+
+
+def run_trainer(
+    world: int, model: Path, shared: Path, steps: int, settings: Training = SETTINGS, vocabulary: int = 256
+) -> list[dict[str, Any]]:
+    """``steps`` steps (counted from where the job's directory ``shared`` left off) on ``world`` ranks; every
+    step's record so far."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = settings.model_copy(update={"steps": steps})
+    mp.spawn(_rank, args=(world, port, str(model), str(shared), settings, vocabulary), nprocs=world)
+    return [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
+
+
+def published(shared: Path, version: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from lockstep_workers.weights import version_path, weights_directory
+
+    return load_file(str(version_path(weights_directory(shared), version)))
+
+
+def checkpointed(shared: Path, step: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lockstep_workers.checkpoint import checkpoints_directory, step_path
+
+    flat = shared / f"step-{step}.pt"
+    dcp_to_torch_save(step_path(checkpoints_directory(shared), step), flat)
+    state: dict[str, Any] = torch.load(flat, weights_only=False)
+    return state
+
+
+def assert_same_weights(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(found) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(found[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
+    """FSDP2 over gloo, 2 ranks (each learning from its own prompt groups, in micro-batches) against 1 rank on the
+    same batches: the same losses and the same weights after 3 steps."""
+    model = create_tiny_llama(tmp_path / "model")
+    one = run_trainer(1, model, tmp_path / "one", steps=3)
+    two = run_trainer(2, model, tmp_path / "two", steps=3)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for mine, theirs in zip(two, one, strict=True):
+        for name in ("loss", "reward", "kl_new_old", "entropy"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+    assert_same_weights(published(tmp_path / "two", 3), published(tmp_path / "one", 3))
+    assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
+
+
+def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_number_of_ranks(tmp_path: Path) -> None:
+    """2 ranks run 2 steps and stop; 1 rank resumes from their checkpoint (model and optimizer shards, resharded)
+    and runs steps 3 and 4 on the same batches as a trainer that never stopped, to the same weights and optimizer
+    state. The checkpoints beyond the newest 2 are removed."""
+    model = create_tiny_llama(tmp_path / "model")
+    straight = run_trainer(1, model, tmp_path / "straight", steps=4)
+    run_trainer(2, model, tmp_path / "resumed", steps=2)
+    resumed = run_trainer(1, model, tmp_path / "resumed", steps=4)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4], "steps 3 and 4 after the restart"
+    for mine, theirs in zip(resumed[2:], straight[2:], strict=True):
+        for name in ("loss", "reward", "kl_new_old"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+    assert_same_weights(published(tmp_path / "resumed", 4), published(tmp_path / "straight", 4))
+    expected, found = checkpointed(tmp_path / "straight", 4), checkpointed(tmp_path / "resumed", 4)
+    assert found["trainer"]["step"] == 4
+    moments = expected["optimizer"]["state"]
+    assert moments and set(found["optimizer"]["state"]) == set(moments)
+    for name, state in moments.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(found["optimizer"]["state"][name][key], state[key], rtol=1e-4, atol=1e-7)
+    kept = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
+    assert kept == ["step-000003", "step-000004"]
+
+
+def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tmp_path: Path) -> None:
+    """The demo's text task (spec.trainer.dataset, a reward on text, eval every 2 steps): a trainer stopped after
+    step 2 and restarted asks for the same prompts in steps 3 and 4 as one that never stopped; each completion is
+    recorded with its prompt's text, row and reward; eval_reward is reported before steps 1 and 3."""
+    from lockstep_workers import text_task
+
+    shipped = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "larger"
+    settings = SETTINGS.model_copy(
+        update={
+            "reward": "lockstep_workers.rewards:math_exact_match",
+            "dataset": Dataset(
+                train=str(shipped / "train.jsonl"), eval=str(shipped / "eval.jsonl"), reward_fields=["answer"]
+            ),
+            "eval": Evaluation(every_steps=2, prompts=5),
+        }
+    )
+    model = text_task.create_model(tmp_path / "model")
+    size = text_task.VOCABULARY_SIZE
+    straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=settings, vocabulary=size)
+    run_trainer(1, model, tmp_path / "resumed", steps=2, settings=settings, vocabulary=size)
+    resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=settings, vocabulary=size)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [("eval_reward" in r) for r in straight] == [True, False, True, False]
+    assert all(r["reward_errors"] == 0 for r in straight)
+
+    def prompts(shared: Path) -> list[tuple[int, str, int]]:
+        lines = [json.loads(line) for line in (shared / "rollouts.jsonl").read_text().splitlines()]
+        assert all(line["prompt"].endswith(f"{line['row']['prompt']} assistant :") for line in lines)
+        return [(line["step"], line["prompt"], line["row"]["answer"]) for line in lines]
+
+    assert prompts(tmp_path / "resumed") == prompts(tmp_path / "straight")
+    assert len({prompt for _, prompt, _ in prompts(tmp_path / "straight")}) == 4 * 4, "4 new rows a step"

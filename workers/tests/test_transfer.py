@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from lockstep.api import TransferGroup, WeightSyncBackend
+from lockstep.api import WeightSyncBackend
+from lockstep.protocol import TransferGroup
 
 
 def _nccl_ready() -> bool:
@@ -63,7 +64,7 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_e2e.cluster import free_port
-    from lockstep_workers.actor import Actor, engine_args
+    from lockstep_workers.actor import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import create_tiny_llama
     from lockstep_workers.transfer import ManifestServer, manifest_of, manifest_uri, send
     from lockstep_workers.weights import version_path
@@ -88,7 +89,7 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
             sent.append(error)
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), locked_settings(), backend))
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(locked_settings()), backend))
         actor = Actor(llm, backend=backend)
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))

@@ -1,0 +1,321 @@
+"""The learner: token logprobs of sampled completions, group-normalised advantages, and ``learn``, the optimiser
+steps on one batch of rollouts.
+
+The same code runs on one process or on every rank of a sharded trainer (lockstep_workers.sharding): each rank
+learns from its own prompt groups; the loss of every micro-batch is scaled so that the gradients FSDP averages
+over the ranks, accumulated over a minibatch's micro-batches, are those of the whole minibatch in one pass. Every
+tensor is made on the policy's device; collectives carry only tensors on it (CUDA tensors on NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lockstep.api import Objective
+from lockstep_workers.objective import Batch, loss_denominator, policy_loss
+
+HEAD_CHUNK_TOKENS = 4096
+"""Completion tokens per slice of the final projection. The [tokens, vocabulary] fp32 logits of one slice are the
+largest tensor the head makes (0.5 GiB with a 32k vocabulary); with gradient they are recomputed in the backward
+pass rather than kept, so the logits of the whole batch never exist at once."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled completion, with the rollout engine's processed logprob of each token and the
+    weights version each token was sampled under."""
+
+    prompt: list[int]
+    completion: list[int]
+    logprobs: list[float]
+    group: int  # completions of the same prompt share a group (GRPO/GSPO advantages)
+    versions: list[int] = field(default_factory=list)
+    policy_mask: list[bool] = field(default_factory=list)
+    """Which completion tokens the policy sampled (a multi-turn rollout's environment inserted the others, which
+    stay out of the loss); empty: every one."""
+
+
+def lag_of(rollout: Rollout, version: int) -> int:
+    """How many versions the oldest token of ``rollout`` was sampled before ``version`` (0 without versions)."""
+    return version - min(rollout.versions, default=version)
+
+
+def top_p_masked(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with the tokens outside the nucleus set to -inf, as vLLM's sampler does it: sorted by
+    probability, a token goes when the tokens less likely than it, and it, hold at most 1 - top_p."""
+    ordered, order = logits.sort(dim=-1)
+    outside = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    outside[..., -1] = False
+    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+
+
+def _log_softmax(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, top_p: float, fp32_head: bool
+) -> torch.Tensor:
+    """[tokens, vocabulary] log-probabilities after the sampler's transform, from the final hidden states."""
+    logits = F.linear(hidden.float(), weight.float()) if fp32_head else F.linear(hidden, weight).float()
+    logits = logits / temperature
+    if top_p < 1:
+        logits = top_p_masked(logits, top_p)
+    return logits.log_softmax(dim=-1)
+
+
+def _sampled(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float, fp32_head: bool
+) -> torch.Tensor:
+    return _log_softmax(hidden, weight, temperature, top_p, fp32_head).gather(1, targets[:, None])[:, 0]
+
+
+class Policy(torch.nn.Module):
+    """A Hugging Face causal LM (``causal_lm``) that scores sampled tokens: ``forward`` returns the log-probability
+    of each target token after the sampler's transform (temperature, then top-p), and optionally the entropy there,
+    computing the head and the log-softmax only at the completion positions and a slice at a time. The final
+    projection runs in fp32 when ``fp32_head`` (the ParityPolicy's trainer.lmHeadDtype), as the rollout engine's.
+
+    Sharded, this module is the root FSDP unit: its own parameters (embeddings, lm_head) are gathered in its forward.
+    """
+
+    causal_lm: Any  # a Hugging Face model (untyped)
+
+    def __init__(self, causal_lm: torch.nn.Module, *, fp32_head: bool = True) -> None:
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.fp32_head = fp32_head
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        top_p: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``ids``, ``attention``: [sequences, length]; ``positions``: flat indices into them of the tokens that
+        predict ``targets``. Returns the targets' logprobs [targets] and, ``with_entropy``, the entropies there."""
+        hidden = self.causal_lm.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        hidden = hidden.flatten(0, 1)[positions]
+        weight = self.causal_lm.lm_head.weight
+        logprobs, entropies = [], []
+        for start in range(0, len(targets), HEAD_CHUNK_TOKENS):
+            part, chosen = hidden[start : start + HEAD_CHUNK_TOKENS], targets[start : start + HEAD_CHUNK_TOKENS]
+            if torch.is_grad_enabled() and not with_entropy:
+                arguments = (part, weight, chosen, temperature, top_p, self.fp32_head)
+                logprobs.append(checkpoint(_sampled, *arguments, use_reentrant=False))
+                continue
+            scores = _log_softmax(part, weight, temperature, top_p, self.fp32_head)
+            logprobs.append(scores.gather(1, chosen[:, None])[:, 0])
+            if with_entropy:
+                entropies.append(-(scores.exp() * scores.nan_to_num(neginf=0.0)).sum(dim=-1))
+        return torch.cat(logprobs), torch.cat(entropies) if with_entropy else None
+
+
+def device_of(policy: torch.nn.Module) -> torch.device:
+    """Where ``policy`` computes (its parameters', or its local shards', device)."""
+    return next(policy.parameters()).device
+
+
+def token_logprobs(
+    policy: Policy,
+    rollouts: Sequence[Rollout],
+    temperature: float,
+    *,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Logprobs of each completion token under ``policy`` after the sampler's transform, their entropies (when
+    ``with_entropy``, without gradient) and the completion mask, all [sequences, ``width`` or the longest
+    completion] on the policy's device. A token outside the trainer's top-p set gets -inf."""
+    device = device_of(policy)
+    longest = max(len(r.prompt) + len(r.completion) for r in rollouts)
+    width = width or max(len(r.completion) for r in rollouts)
+    ids = torch.zeros(len(rollouts), longest, dtype=torch.long)
+    mask = torch.zeros(len(rollouts), width)
+    positions: list[int] = []
+    targets: list[int] = []
+    for row, r in enumerate(rollouts):
+        sequence = r.prompt + r.completion
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        start = row * longest + len(r.prompt) - 1
+        positions += range(start, start + len(r.completion))
+        targets += r.completion
+        mask[row, : len(r.completion)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    attention = (torch.arange(longest) < torch.tensor([[len(r.prompt) + len(r.completion)] for r in rollouts])).long()
+    scored, entropy = policy(
+        ids,
+        attention.to(device),
+        torch.tensor(positions, device=device),
+        torch.tensor(targets, device=device),
+        temperature,
+        top_p,
+        with_entropy,
+    )
+    where = mask.bool()
+    logprobs = torch.zeros(mask.shape, device=device, dtype=scored.dtype).masked_scatter(where, scored)
+    entropies = None if entropy is None else torch.zeros_like(mask).masked_scatter(where, entropy)
+    return logprobs, entropies, mask
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Each reward minus its group's mean, over the group's standard deviation (GRPO-style)."""
+    advantages = torch.zeros_like(rewards)
+    for group in groups.unique():
+        members = groups == group
+        values = rewards[members]
+        advantages[members] = (values - values.mean()) / (values.std(unbiased=False) + 1e-6)
+    return advantages
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _summed(values: list[float], device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+    """``values`` reduced over the ranks (as they are without a process group)."""
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return [float(value) for value in tensor.tolist()]
+
+
+def micro_batches(
+    rows: Sequence[int], rollouts: Sequence[Rollout], tokens: int | None, device: torch.device
+) -> list[list[int]]:
+    """``rows`` in consecutive micro-batches of about ``tokens`` padded tokens each, as many on every rank (each
+    forward and backward of a sharded model is a collective): the most any rank needs, but no more than the fewest
+    rows any rank has."""
+    longest = max(len(rollouts[i].prompt) + len(rollouts[i].completion) for i in rows)
+    wanted = 1 if tokens is None else math.ceil(len(rows) * longest / tokens)
+    most, fewest = _summed([wanted, -len(rows)], device, dist.ReduceOp.MAX)
+    count = max(1, min(int(most), -int(fewest)))
+    return [chunk.tolist() for chunk in torch.tensor_split(torch.tensor(list(rows)), count)]
+
+
+def learn(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    rollouts: Sequence[Rollout],
+    rewards: Sequence[float],
+    objective: Objective,
+    temperature: float,
+    *,
+    top_p: float = 1.0,
+    version: int | None = None,
+    max_lag: int | None = None,
+) -> dict[str, float]:
+    """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
+    micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics, averaged over the minibatches.
+
+    The ratios are taken against the model as it was when the batch arrived (``old``), so they depart from 1, and
+    clipping acts, from the second minibatch on; the entropy is that model's. ``version`` is the weights version the
+    model holds: tokens sampled under it give the on-policy mismatch (``onpolicy_mean_abs_logprob_diff``, pure
+    numerics) and the others the ``staleness``. On several ranks every rank calls it, with its own prompt groups and
+    as many of them.
+
+    The staleness bound: with ``version`` and ``max_lag``, a rollout with a token more than ``max_lag`` versions
+    behind ``version`` never reaches the loss; it raises ValueError (the trainer drops such samples before,
+    lockstep_workers.rollouts.fresh_rollouts).
+    """
+    if version is not None and max_lag is not None:
+        stale = [lag_of(r, version) for r in rollouts if lag_of(r, version) > max_lag]
+        if stale:
+            raise ValueError(
+                f"{len(stale)} rollout(s) up to {max(stale)} versions behind weights version {version}, more than "
+                f"spec.trainer.maxLag {max_lag}: they must be dropped before learning"
+            )
+    device = device_of(policy)
+    everything = list(range(len(rollouts)))
+    widest = max(len(r.completion) for r in rollouts)
+    with torch.no_grad():
+        passes = [
+            token_logprobs(
+                policy, [rollouts[i] for i in rows], temperature, top_p=top_p, with_entropy=True, width=widest
+            )
+            for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device)
+        ]
+    old, entropy, completion = (torch.cat([part[n] for part in passes]) for n in range(3))  # type: ignore[misc]
+    # Only the tokens the policy sampled reach the loss, not those a multi-turn environment inserted; a token vLLM
+    # sampled that falls outside the trainer's top-p set has no finite ratio: it is left out too.
+    sampled = completion.clone()
+    for row, r in enumerate(rollouts):
+        if r.policy_mask:
+            sampled[row, : len(r.policy_mask)] *= torch.tensor(r.policy_mask, dtype=sampled.dtype, device=device)
+    mask = sampled * old.isfinite()
+    old = old.nan_to_num(neginf=0.0)
+    rollout = torch.zeros_like(old)
+    for row, r in enumerate(rollouts):
+        rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    reward = torch.tensor(list(rewards), dtype=torch.float32)
+    groups = torch.tensor([r.group for r in rollouts])
+    advantages = group_advantages(reward, groups).to(device)
+    steps = []
+    for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
+        rows = torch.isin(groups, chunk).nonzero()[:, 0].tolist()
+        # What the minibatch's loss averages over, here and on every rank together: each micro-batch's loss is
+        # weighted by its share of the total, times the ranks, since FSDP averages the gradients over them; its
+        # metrics by its share of this rank's.
+        here = loss_denominator(mask[rows], objective)
+        (total,) = _summed([here], device)
+        optimizer.zero_grad()
+        metrics: dict[str, float] = {}
+        for part in micro_batches(rows, rollouts, objective.tokens_per_micro_batch, device):
+            new, _, _ = token_logprobs(policy, [rollouts[i] for i in part], temperature, top_p=top_p, width=widest)
+            kept = mask[part]
+            batch = Batch(
+                torch.where(kept.bool(), new, 0.0), old[part], rollout[part], advantages[part], kept, entropy[part]
+            )
+            loss, measured = policy_loss(batch, objective)
+            part_of = loss_denominator(kept, objective)
+            (loss * part_of / max(total, 1.0) * _world()).backward()
+            for name, value in measured.items():
+                metrics[name] = metrics.get(name, 0.0) + value * part_of / max(here, 1.0)
+        optimizer.step()
+        steps.append(metrics)
+    averaged = {name: sum(m[name] for m in steps) / len(steps) for name in steps[0]}
+    averaged["outside_top_p_fraction"] = ((sampled - mask).sum() / sampled.sum().clamp(min=1)).item()
+    if version is not None:
+        averaged.update(_staleness(rollouts, old, rollout, mask, version))
+    return {"reward": reward.mean().item(), **averaged}
+
+
+def _staleness(
+    rollouts: Sequence[Rollout], old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, version: int
+) -> dict[str, float]:
+    """Mismatch on the tokens of sequences sampled wholly under ``version`` (numerics alone: a sequence that spans
+    an in-flight update keeps KV computed under the old weights); how many versions behind the oldest token was
+    (``staleness``, not to be confused with the job's status.lag, which is how far the actors are behind)."""
+    versions = torch.full_like(mask, float(version))
+    for row, r in enumerate(rollouts):
+        versions[row, : len(r.versions)] = torch.tensor(r.versions, dtype=versions.dtype)
+    seen = versions.masked_fill(~mask.bool(), float(version))
+    onpolicy = mask * (seen == version).all(dim=1, keepdim=True).float()
+    spanning = (seen.amax(dim=1) != seen.amin(dim=1)).float()
+    return {
+        "onpolicy_mean_abs_logprob_diff": ((old - rollout).abs() * onpolicy).sum().item()
+        / max(onpolicy.sum().item(), 1),
+        "onpolicy_token_fraction": (onpolicy.sum() / mask.sum().clamp(min=1)).item(),
+        "spanning_sequence_fraction": spanning.mean().item(),
+        "staleness": version - seen.min().item(),
+    }
+
+
+def across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's metrics combined (a collective, on ``device``): the mean, but the largest staleness."""
+    names = sorted(metrics)
+    world = _world()
+    combined = dict(zip(names, (v / world for v in _summed([metrics[n] for n in names], device)), strict=True))
+    if "staleness" in metrics:
+        (combined["staleness"],) = _summed([metrics["staleness"]], device, dist.ReduceOp.MAX)
+    return combined

@@ -1,0 +1,204 @@
+"""The trainer's pod I/O: what the operator set in its environment, what it announces on its own pod, the
+job's committed weights, the step's record (metrics.jsonl and Prometheus; its completions in rollouts.jsonl), and
+the sending of weights with a collective backend."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Gauge
+
+from lockstep import keys
+from lockstep.api import WeightSyncBackend
+from lockstep.protocol import EvalResult, Mismatch, Weights, document
+from lockstep_workers import environment
+from lockstep_workers.checkpoint import checkpoints_directory
+from lockstep_workers.scoring import RewardInput
+from lockstep_workers.transfer import ManifestServer, Sender
+from lockstep_workers.weights import weights_directory
+
+if TYPE_CHECKING:
+    from lockstep_workers.agent import AgentCore
+
+STEP_METRICS = (
+    "reward",
+    "reward_errors",
+    "entropy",
+    "clamp_log_ratio_new_old_indicator",
+    "kl_new_old",
+    "ess",
+    "mean_abs_logprob_diff",
+    "onpolicy_mean_abs_logprob_diff",
+    "onpolicy_token_fraction",
+    "spanning_sequence_fraction",
+    "staleness",
+    "stale_samples_dropped",
+    "outside_top_p_fraction",
+    "tis_weight_mean",
+    "loss",
+)
+"""Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>``."""
+GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
+EVAL_REWARD = "eval_reward"
+"""The metric of the steps that evaluate first (spec.trainer.eval): the mean reward of greedy completions of the
+eval split under the weights the step starts from (version step - 1)."""
+EVAL_ROWS = "eval_rows"
+"""How many eval rows that evaluation sampled."""
+EVAL_GAUGE = Gauge(f"lockstep_trainer_{EVAL_REWARD}", "The last evaluation's mean reward (spec.trainer.eval).")
+PUBLISHED = Gauge("lockstep_trainer_weights_version", "The newest weights version published and announced.")
+
+
+@dataclass(frozen=True)
+class PodEnvironment:
+    """What the operator sets in a trainer pod's environment."""
+
+    rank: int
+    world_size: int
+    actors: list[str]
+    """Fixed actor URLs, outside a cluster; in a pod, ``actors_service`` says where the actors are listed."""
+    shared_dir: Path | None
+    """The job's directory for weights, checkpoints and metrics (on spec.weightSync.volume, or an emptyDir)."""
+    config: dict[str, Any]
+    pod: str | None
+    namespace: str | None
+    metrics_port: int
+    weight_sync: WeightSyncBackend = WeightSyncBackend.FILESYSTEM
+    weights_host: str = "127.0.0.1"
+    """Collective backends: the name the actors reach this pod by."""
+    weights_port: int = 0
+    """Collective backends: where the manifests are served."""
+    weights_group_port: int = 0
+    """Collective backends: the rendezvous of each barrier's transfer group."""
+    local_rank: int = 0
+    """Which of the pod's GPUs this rank uses."""
+    actors_service: str | None = None
+    """The job's actor Service, whose EndpointSlices list the actors."""
+
+    @property
+    def weights_dir(self) -> Path:
+        assert self.shared_dir is not None
+        return weights_directory(self.shared_dir)
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        assert self.shared_dir is not None
+        return checkpoints_directory(self.shared_dir)
+
+    @property
+    def metrics_file(self) -> Path:
+        assert self.shared_dir is not None
+        return self.shared_dir / "metrics.jsonl"
+
+    @property
+    def rollouts_file(self) -> Path:
+        assert self.shared_dir is not None
+        return self.shared_dir / "rollouts.jsonl"
+
+    @property
+    def rendezvous(self) -> str:
+        return f"{self.weights_host}:{self.weights_group_port}"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> PodEnvironment:
+        config_file = environ.get(environment.CONFIG)
+        return cls(
+            rank=int(environ.get(environment.RANK, "0")),
+            world_size=int(environ.get(environment.WORLD_SIZE, "1")),
+            actors=[url.rstrip("/") for url in environ.get(environment.ACTORS_URL, "").split(",") if url],
+            shared_dir=Path(environ[environment.SHARED_DIR]) if environment.SHARED_DIR in environ else None,
+            config=json.loads(Path(config_file).read_text()) if config_file else {},
+            pod=environ.get(environment.POD_NAME),
+            namespace=environ.get(environment.POD_NAMESPACE),
+            metrics_port=int(environ.get(environment.METRICS_PORT, "0")),
+            weight_sync=WeightSyncBackend(environ.get(environment.WEIGHT_SYNC, WeightSyncBackend.FILESYSTEM)),
+            weights_host=environ.get(environment.WEIGHTS_HOST, "127.0.0.1"),
+            weights_port=int(environ.get(environment.WEIGHTS_PORT, "0")),
+            weights_group_port=int(environ.get(environment.WEIGHTS_GROUP_PORT, "0")),
+            local_rank=int(environ.get(environment.LOCAL_RANK, "0")),
+            actors_service=environ.get(environment.ACTORS_SERVICE) or None,
+        )
+
+
+def announce(weights: Weights, mismatch: Mismatch, evaluation: EvalResult | None, namespace: str, pod: str) -> None:
+    """Write ``lockstep.dev/weights``, the step's ``lockstep.dev/mismatch`` and, when the step evaluated,
+    ``lockstep.dev/evaluation`` on this trainer pod (the only place the operator reads them from)."""
+    from lockstep_workers.agent import pod_api
+
+    annotations = {keys.WEIGHTS: document(weights), keys.MISMATCH: document(mismatch)}
+    if evaluation is not None:
+        annotations[keys.EVALUATION] = document(evaluation)
+    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
+
+
+def committed_weights(env: PodEnvironment) -> Weights | None:
+    """The job's committed weights, as the operator recorded them on this pod (none outside a cluster)."""
+    if not (env.pod and env.namespace):
+        return None
+    from lockstep_workers.agent import initial_weights, pod_api
+
+    return initial_weights(pod_api(), env.namespace, env.pod)
+
+
+def record(env: PodEnvironment, step: int, seconds: float, metrics: Mapping[str, float]) -> None:
+    """Append the step to metrics.jsonl and set its gauges."""
+    line = {"step": step, "version": step, "seconds": round(seconds, 3), **metrics}
+    with env.metrics_file.open("a") as stream:
+        stream.write(json.dumps(line) + "\n")
+    for name, gauge in GAUGES.items():
+        gauge.set(metrics[name])
+    if EVAL_REWARD in metrics:
+        EVAL_GAUGE.set(metrics[EVAL_REWARD])
+    PUBLISHED.set(step)
+
+
+def record_rollouts(env: PodEnvironment, step: int, samples: Sequence[RewardInput], rewards: Sequence[float]) -> None:
+    """Append the step's completions to rollouts.jsonl, each with its prompt's text, dataset row and reward."""
+    with env.rollouts_file.open("a") as stream:
+        for sample, reward in zip(samples, rewards, strict=True):
+            line = {"step": step, "prompt": sample.prompt, "completion": sample.completion, "reward": reward}
+            stream.write(json.dumps({**line, "row": sample.row}, default=str) + "\n")
+
+
+class Sending:
+    """Collective backends, rank 0: serve the manifests, and send each version as a member of its barrier
+    (an agent thread acts on the commands the operator writes on this pod) until ``close``."""
+
+    AGENT_WATCH_SECONDS = 5
+    """How long the agent's watch runs before it checks whether to stop (so ``close`` returns soon)."""
+    FINAL_ACK_SECONDS = 60.0
+    """How long ``close`` waits for this pod's part in the last barrier."""
+
+    def __init__(self, env: PodEnvironment) -> None:
+        from lockstep_workers.agent import AgentCore, PodAgent, pod_api
+
+        self.server = ManifestServer(env.weights_dir, env.weights_port, env.rendezvous)
+        self.stop = threading.Event()
+        self.agent: threading.Thread | None = None
+        self.sender: AgentCore | None = None
+        if env.pod and env.namespace:
+            self.sender = AgentCore(Sender(env.weights_dir, env.rendezvous, env.weight_sync))
+            agent = PodAgent(self.sender, pod_api(), env.namespace, env.pod)
+            self.agent = threading.Thread(
+                target=agent.run, args=(self.stop, self.AGENT_WATCH_SECONDS), name="barrier-agent", daemon=True
+            )
+            self.agent.start()
+
+    def close(self, final: int | None = None) -> None:
+        """Stop the agent between two API calls (never in the middle of one) and the manifest server. With
+        ``final``, first wait (up to FINAL_ACK_SECONDS) until this pod has resumed that version: its ack completes
+        the last barrier with this pod among its members."""
+        deadline = time.monotonic() + self.FINAL_ACK_SECONDS
+        while final is not None and self.sender is not None and not self.sender.resumed(final):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.stop.set()
+        if self.agent is not None:
+            self.agent.join(timeout=3 * self.AGENT_WATCH_SECONDS)
+        self.server.close()

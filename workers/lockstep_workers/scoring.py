@@ -1,0 +1,141 @@
+"""Scoring completions with the job's reward function (spec.trainer.reward) in a pool of processes
+(spec.trainer.rewardProcesses), so that a slow reward runs beside the others and a crashing one cannot take the
+trainer's own state with it.
+
+A reward whose parameters include ``completion``, ``prompt`` and ``row`` is called with those keywords (the decoded
+completion, the prompt's text, its dataset row); any other with (prompt token ids, completion token ids). A reward
+that raises is counted, logged with the row, and scored as spec.trainer.onRewardError says: Zero scores it 0, Fail
+stops the trainer (RewardFailed).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import multiprocessing
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+from lockstep.api import RewardErrorAction
+
+logger = logging.getLogger("lockstep.trainer")
+
+TEXT_PARAMETERS = frozenset({"completion", "prompt", "row"})
+"""The parameters that make a reward one on text."""
+
+
+def load_callable(reference: str) -> Any:
+    """The callable named ``package.module:function`` (RLJob spec.trainer.reward and .prompts)."""
+    module, _, name = reference.partition(":")
+    if not name:
+        raise ValueError(f"{reference!r}: expected 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{reference!r} cannot be imported in the trainer's image: {error}") from error
+
+
+def takes_text(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` is a reward on text: reward(completion, prompt, row)."""
+    return set(inspect.signature(function).parameters) >= TEXT_PARAMETERS
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward may see of one completion."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    prompt: str
+    completion: str
+    row: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One completion's reward, or the error the reward function raised on it (formatted with its traceback)."""
+
+    reward: float | None = None
+    error: str | None = None
+
+
+@functools.cache
+def _reward(reference: str) -> tuple[Callable[..., Any], bool]:
+    function = load_callable(reference)
+    return function, takes_text(function)
+
+
+def score(reference: str, sample: RewardInput) -> Outcome:
+    """Call the reward ``reference`` on ``sample`` (in a pool process)."""
+    function, text = _reward(reference)
+    try:
+        if text:
+            value = function(completion=sample.completion, prompt=sample.prompt, row=sample.row)
+        else:
+            value = function(sample.prompt_token_ids, sample.completion_token_ids)
+        return Outcome(reward=float(value))
+    except Exception:
+        return Outcome(error=traceback.format_exc())
+
+
+class RewardFailed(RuntimeError):
+    """A reward function raised and spec.trainer.onRewardError is Fail."""
+
+
+class Scorer:
+    """The job's reward, run by ``processes`` processes forked when it is made (make it before the trainer starts
+    threads: torch.distributed, the metrics server)."""
+
+    def __init__(self, reference: str, on_error: RewardErrorAction, processes: int) -> None:
+        _reward(reference)  # an unimportable reward stops the trainer here, with its name
+        self.reference = reference
+        self.on_error = on_error
+        self.processes = processes
+        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"))
+        # The fork context starts every process at the first task: now, before the caller starts threads.
+        self.pool.submit(_reward, reference).result()
+
+    def scores(self, samples: Sequence[RewardInput]) -> tuple[list[float], int]:
+        """Each sample's reward, and how many the reward function raised on (logged with their rows; scored 0, or
+        with onRewardError Fail, RewardFailed raised)."""
+        chunk = max(1, len(samples) // (4 * self.processes))
+        outcomes = list(self.pool.map(score, repeat(self.reference), samples, chunksize=chunk))
+        rewards, errors = [], 0
+        for sample, outcome in zip(samples, outcomes, strict=True):
+            if outcome.reward is not None:
+                rewards.append(outcome.reward)
+                continue
+            errors += 1
+            logger.warning(
+                "the reward function %s raised on row %s (prompt %r, completion %r), scored as onRewardError %s "
+                "says:\n%s",
+                self.reference,
+                sample.row,
+                sample.prompt,
+                sample.completion,
+                self.on_error.value,
+                outcome.error,
+            )
+            if self.on_error is RewardErrorAction.FAIL:
+                raise RewardFailed(
+                    f"the reward function {self.reference} raised on row {sample.row}: "
+                    f"{(outcome.error or '').strip().splitlines()[-1]}. spec.trainer.onRewardError is Fail; fix the "
+                    "reward or the row, or set onRewardError: Zero to score such completions 0"
+                )
+            rewards.append(0.0)
+        return rewards, errors
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.close()

@@ -1,0 +1,84 @@
+"""The trainer's ranks and their shards: the accelerator a rank computes on, its process group, the model sharded
+with FSDP2 over a DeviceMesh, and its full state dict gathered from the shards.
+
+A rank with a GPU computes on ``cuda:$LOCAL_RANK`` and its collectives go over NCCL; without one, on the CPU over
+gloo. The same code runs on either, and on one rank as on many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lockstep_workers.learner import Policy
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Whole tensors, on rank 0 and in CPU memory: each is gathered from its shards and moved off the accelerator in
+turn, so no second full copy of the model is ever on the GPU."""
+
+
+def accelerator(local_rank: int) -> torch.device:
+    """Where a rank computes: its GPU (``cuda:<local_rank>``) when the pod has one, else the CPU."""
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def start(rank: int, world_size: int, device: torch.device) -> DeviceMesh:
+    """Join the trainer's process group (NCCL for CUDA tensors, gloo for CPU tensors; $MASTER_ADDR and $MASTER_PORT
+    on several ranks) and return its one-dimensional mesh."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.HashStore() if world_size == 1 else None  # type: ignore[attr-defined]
+    device_id = device if device.type == "cuda" else None
+    dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, device_id=device_id)
+    return init_device_mesh(device.type, (world_size,))
+
+
+def shard(
+    causal_lm: Any,
+    mesh: DeviceMesh,
+    *,
+    compute_dtype: torch.dtype,
+    fp32_head: bool,
+    activation_checkpointing: bool = False,
+) -> Policy:
+    """``causal_lm`` (fp32 parameters: the master weights) sharded over ``mesh`` with FSDP2, as a Policy.
+
+    Each decoder layer and the final norm compute in ``compute_dtype``; the embeddings and the lm_head, one unit
+    (tied weights must be), in fp32 when ``fp32_head``, else in ``compute_dtype``. Gradients are reduced in fp32.
+    ``activation_checkpointing`` recomputes each layer's activations in the backward pass (Hugging Face's
+    gradient checkpointing: it acts in train mode, which Llama-family models, without dropout, compute alike).
+    """
+    if activation_checkpointing:
+        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        causal_lm.train()
+    body = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in causal_lm.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=body)
+    fully_shard(causal_lm.model.norm, mesh=mesh, mp_policy=body)
+    head = MixedPrecisionPolicy(param_dtype=torch.float32 if fp32_head else compute_dtype, reduce_dtype=torch.float32)
+    policy = Policy(causal_lm, fp32_head=fp32_head)
+    fully_shard(policy, mesh=mesh, mp_policy=head)
+    return policy
+
+
+def full_state_dict(causal_lm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model in its checkpoint's (Hugging Face) names, on rank 0 in CPU memory (empty on the other ranks;
+    a collective): tied weights once, under the first name that uses them, as Hugging Face writes checkpoints."""
+    aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)}
+    aliases -= {name for name, _ in causal_lm.named_parameters()}
+    gathered = get_model_state_dict(causal_lm, options=FULL)
+    return {name: t for name, t in gathered.items() if name not in aliases and isinstance(t, torch.Tensor)}
+
+
+def load_full_state_dict(causal_lm: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load whole tensors that rank 0 holds (the other ranks pass nothing; a collective) into the shards: tied
+    weights may be named once."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(causal_lm, dict(tensors), options=options)
