@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kubernetes import client
 
-from lockstep.api import TransferGroup, Weights
+from lockstep.protocol import TransferGroup, Weights
 from lockstep_e2e.install import pod_client
 from lockstep_workers.agent import AgentCore, PodAgent
 

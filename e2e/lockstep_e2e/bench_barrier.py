@@ -1,13 +1,21 @@
 """Benchmark: barrier coordination overhead, from weights announced to every actor resumed, with a
-no-op weight load, next to a direct-HTTP baseline measured in the same run.
+no-op weight load, next to the API server's own floor and a direct-HTTP baseline measured in the same run.
 
-``python -m lockstep_e2e.bench_barrier [--sizes 8 64 256 1024] [--repeats 5]`` (``make bench-barrier``).
+``python -m lockstep_e2e.bench_barrier [--sizes 8 64 256 1024] [--repeats 5] [--quick]``
+(``make bench-barrier``; ``--quick``: 8 and 64 actors, 3 barriers each).
 
 Lockstep: kwok actor pods whose agents are asyncio coroutines in this process. Each writes its acks
-with a service-account token bound to its own pod (so the admission policy treats it as that pod);
-to stay light, one watch on the job's pods feeds them all (a real agent watches only its own pod).
+with a service-account token bound to its own pod (so the admission policy treats it as that pod),
+each in a task of its own as soon as it sees its command (real agents answer independently); to stay
+light, one watch on the job's pods feeds them all (a real agent watches only its own pod). The
+harness watches the job for the new ``status.weightsVersion``.
+Floor: the barrier's minimum pod writes (a command and an ack per member and phase: 4N) sent by one
+well-behaved client, each round to all N pods at once with at most 64 in flight: what the API server
+itself needs, whatever coordinates it.
 Baseline: one process calling N loopback HTTP endpoints directly, pause then update then resume,
 each phase to all N at once — the way PipelineRL pushes weight updates to its vLLM servers.
+Also, once: the cost of the barrier admission policy to pods Lockstep does not manage (200 patches of an
+unrelated pod, with and without the policy's binding).
 Prints a table and writes JSON. Not a test: nothing here asserts a time.
 """
 
@@ -28,13 +36,16 @@ import aiohttp
 from aiohttp import web
 from kubernetes import client
 
+from lockstep import api as lockstep_api
 from lockstep import keys
-from lockstep.api import Ack, Command
-from lockstep.barrier import ACK_FOR, document
+from lockstep.admission import BARRIER_POLICY
+from lockstep.protocol import ACK_FOR, PROTOCOL, Ack, Command, document
 from lockstep_e2e.benchmarks import operator_lab, operator_requests_since, write_results
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO, pod_client, raw, service_account_token
 from lockstep_e2e.jobs import create_job, get_job, rljob
+
+FLOOR_IN_FLIGHT = 64
 
 
 @dataclass
@@ -43,6 +54,7 @@ class Result:
     repeats: int
     lockstep_p50_s: float
     lockstep_p95_s: float
+    floor_p50_s: float
     baseline_p50_s: float
     baseline_p95_s: float
     operator_requests_per_barrier: float
@@ -68,6 +80,7 @@ class Agents:
         self.watch_token = service_account_token(api, keys.OPERATOR_NAMESPACE, keys.OPERATOR_SERVICE_ACCOUNT)
         self.ssl = ssl.create_default_context(cafile=str(cluster.workdir / "pki" / "ca.crt"))
         self.done: dict[str, str] = {}
+        self.answering: set[asyncio.Task[None]] = set()
 
     async def run(self, selector: str, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
@@ -82,11 +95,42 @@ class Agents:
                         pod = json.loads(line)["object"]
                         text = (pod["metadata"].get("annotations") or {}).get(keys.BARRIER)
                         if text and pod["metadata"]["name"] in self.tokens:
-                            await self.answer(session, pod["metadata"]["name"], Command.model_validate_json(text))
+                            command = Command.model_validate_json(text)
+                            task = asyncio.create_task(self.answer(session, pod["metadata"]["name"], command))
+                            self.answering.add(task)
+                            task.add_done_callback(self.answering.discard)
+
+    async def floor(self, session: aiohttp.ClientSession, pods: list[str]) -> float:
+        """Seconds for the barrier's minimum pod writes (4 rounds of one write per pod) from one client."""
+        limit = asyncio.Semaphore(FLOOR_IN_FLIGHT)
+        headers = {"Authorization": f"Bearer {self.watch_token}", "Content-Type": "application/merge-patch+json"}
+
+        async def write(pod: str, value: str) -> None:
+            url = f"{self.server}/api/v1/namespaces/{self.namespace}/pods/{pod}"
+            body = json.dumps({"metadata": {"annotations": {"bench.lockstep.dev/floor": value}}})
+            async with limit, session.patch(url, data=body, headers=headers, ssl=self.ssl) as response:
+                response.raise_for_status()
+
+        started = time.monotonic()
+        for round_ in range(4):
+            await asyncio.gather(*(write(pod, f"{started}-{round_}") for pod in pods))
+        return time.monotonic() - started
+
+    async def until_version(self, session: aiohttp.ClientSession, job: str, version: int) -> None:
+        """Return once the job's status.weightsVersion is ``version`` (a watch, not polling)."""
+        url = f"{self.server}/apis/{lockstep_api.GROUP}/{lockstep_api.VERSION}/namespaces/{self.namespace}/rljobs"
+        headers = {"Authorization": f"Bearer {self.watch_token}"}
+        params = {"watch": "true", "fieldSelector": f"metadata.name={job}", "timeoutSeconds": "300"}
+        async with session.get(url, params=params, headers=headers, ssl=self.ssl) as response:
+            async for line in response.content:
+                if (json.loads(line)["object"].get("status") or {}).get("weightsVersion") == version:
+                    return
+        raise TimeoutError(f"weights version {version} did not reach every actor of {job} in 300 s")
 
     async def answer(self, session: aiohttp.ClientSession, pod: str, command: Command) -> None:
         """A no-op engine: ack each phase at once, once."""
-        ack = document(Ack(id=command.id, phase=ACK_FOR[command.phase], loaded_version=command.version))
+        answer = Ack(id=command.id, phase=ACK_FOR[command.phase], loaded_version=command.version, retry=command.retry)
+        ack = document(answer)
         if self.done.get(pod) == ack:
             return
         self.done[pod] = ack
@@ -99,8 +143,8 @@ class Agents:
 
 async def lockstep_barriers(
     cluster: LocalCluster, api: client.ApiClient, namespace: str, job: str, repeats: int
-) -> tuple[list[float], int]:
-    """Seconds per barrier, and the operator's requests over all of them."""
+) -> tuple[list[float], int, list[float]]:
+    """Seconds per barrier, the operator's requests over all of them, and the API server's floor per barrier."""
     core = client.CoreV1Api(api)
     listing = core.list_namespaced_pod(namespace, label_selector=f"{keys.JOB}={job}", _preload_content=False)
     pods = raw(listing)["items"]
@@ -113,22 +157,28 @@ async def lockstep_barriers(
     await asyncio.sleep(1)  # the watch is established
     since = dt.datetime.now(dt.UTC)
     durations = []
-    for version in range(1, repeats + 1):
-        weights = {"protocol": 1, "version": version, "uri": f"file:///w/{version}", "digest": f"sha256:{version}"}
-        started = time.monotonic()
-        await asyncio.to_thread(
-            as_trainer.patch_namespaced_pod,
-            trainer,
-            namespace,
-            {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}},
-        )
-        while (await asyncio.to_thread(get_job, api, namespace, job))["status"].get("weightsVersion") != version:
-            await asyncio.sleep(0.05)
-        durations.append(time.monotonic() - started)
-    stop.set()
-    watcher.cancel()
-    await asyncio.sleep(2)  # trailing status writes
-    return durations, operator_requests_since(cluster, since)
+    directory = f"/var/lib/lockstep/{get_job(api, namespace, job)['metadata']['uid']}/weights"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for version in range(1, repeats + 1):
+            uri = f"file://{directory}/v{version}.safetensors"
+            weights = {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
+            reached = asyncio.create_task(agents.until_version(session, job, version))
+            await asyncio.sleep(0.2)  # the job watch is established
+            started = time.monotonic()
+            await asyncio.to_thread(
+                as_trainer.patch_namespaced_pod,
+                trainer,
+                namespace,
+                {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}},
+            )
+            await reached
+            durations.append(time.monotonic() - started)
+        stop.set()
+        watcher.cancel()
+        await asyncio.sleep(2)  # trailing status writes
+        requests = operator_requests_since(cluster, since)
+        floors = [await agents.floor(session, [p["metadata"]["name"] for p in actors]) for _ in range(repeats)]
+    return durations, requests, floors
 
 
 async def baseline_barriers(actors: int, repeats: int) -> list[float]:
@@ -157,15 +207,55 @@ async def baseline_barriers(actors: int, repeats: int) -> list[float]:
     return durations
 
 
+def admission_cost(api: client.ApiClient, patches: int = 200) -> tuple[float, float]:
+    """Mean seconds per patch of a pod Lockstep does not manage, with the barrier policy's binding, then
+    without it (restored afterwards)."""
+    core = client.CoreV1Api(api)
+    registration = client.AdmissionregistrationV1Api(api)
+    namespace = "bench-admission"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    while not core.list_namespaced_service_account(namespace, field_selector="metadata.name=default").items:
+        time.sleep(0.1)
+    container = client.V1Container(name="c", image="busybox")
+    pod = client.V1Pod(metadata=client.V1ObjectMeta(name="unrelated"), spec=client.V1PodSpec(containers=[container]))
+    core.create_namespaced_pod(namespace, pod)
+
+    def mean_patch_seconds() -> float:
+        started = time.monotonic()
+        for index in range(patches):
+            body = {"metadata": {"annotations": {"example.com/n": str(index)}}}
+            core.patch_namespaced_pod("unrelated", namespace, body, _preload_content=False)
+        return (time.monotonic() - started) / patches
+
+    with_policy = mean_patch_seconds()
+    binding = registration.read_validating_admission_policy_binding(BARRIER_POLICY)
+    registration.delete_validating_admission_policy_binding(BARRIER_POLICY)
+    time.sleep(2)  # the API server's admission informer drops the binding
+    without = mean_patch_seconds()
+    binding.metadata = client.V1ObjectMeta(name=BARRIER_POLICY)
+    registration.create_validating_admission_policy_binding(binding)
+    core.delete_namespace(namespace)
+    return with_policy, without
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="8 and 64 actors, 3 barriers each")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "barrier.json")
     options = parser.parse_args()
+    if options.quick:
+        options.sizes, options.repeats = [8, 64], 3
     results = []
     with operator_lab() as (cluster, api, rss):
         core = client.CoreV1Api(api)
+        with_policy, without = admission_cost(api)
+        print(
+            f"barrier admission policy on a pod Lockstep does not manage: {with_policy * 1000:.2f} ms per patch "
+            f"with it, {without * 1000:.2f} ms without (200 patches each)",
+            flush=True,
+        )
         for size in options.sizes:
             namespace = f"barrier-{size}"
             core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
@@ -175,13 +265,14 @@ def main() -> None:
             while (get_job(api, namespace, "bench").get("status") or {}).get("phase") != "Running":
                 time.sleep(0.5)
             rss.reset()
-            ours, requests = asyncio.run(lockstep_barriers(cluster, api, namespace, "bench", options.repeats))
+            ours, requests, floors = asyncio.run(lockstep_barriers(cluster, api, namespace, "bench", options.repeats))
             theirs = asyncio.run(baseline_barriers(size, options.repeats))
             result = Result(
                 actors=size,
                 repeats=options.repeats,
                 lockstep_p50_s=percentile(ours, 0.5),
                 lockstep_p95_s=percentile(ours, 0.95),
+                floor_p50_s=percentile(floors, 0.5),
                 baseline_p50_s=percentile(theirs, 0.5),
                 baseline_p95_s=percentile(theirs, 0.95),
                 operator_requests_per_barrier=round(requests / options.repeats, 1),
@@ -190,6 +281,7 @@ def main() -> None:
             results.append(result)
             print(
                 f"{size:>5} actors: lockstep p50 {result.lockstep_p50_s:6.2f} s p95 {result.lockstep_p95_s:6.2f} s"
+                f" | API-server floor p50 {result.floor_p50_s:6.2f} s"
                 f" | direct HTTP p50 {result.baseline_p50_s:6.3f} s p95 {result.baseline_p95_s:6.3f} s"
                 f" | {result.operator_requests_per_barrier} operator requests/barrier,"
                 f" peak RSS {result.operator_peak_rss_mib} MiB (mean {statistics.mean(ours):.2f} s)",

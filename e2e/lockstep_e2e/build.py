@@ -23,6 +23,7 @@ KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
+KUEUE_VERSION = "v0.17.0"
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 BINARIES = (*KUBERNETES_COMMANDS, "etcd", "kwok")
@@ -57,20 +58,33 @@ def helm_path() -> Path:
 
 def build_helm() -> Path:
     """Build helm unless it is cached; return its path."""
-    target = helm_path()
+    version = f"-X helm.sh/helm/v4/internal/version.version={HELM_VERSION}"
+    return _install_command(helm_path(), f"helm.sh/helm/v4/cmd/helm@{HELM_VERSION}", version)
+
+
+def kueue_path() -> Path:
+    """Kueue's controller manager, built from sigs.k8s.io/kueue (its own cache folder, by version)."""
+    return cache_root() / f"kueue-{KUEUE_VERSION}" / "bin" / "kueue"
+
+
+def build_kueue() -> Path:
+    """Build Kueue's controller manager unless it is cached (about 4 minutes on 2 cores); return its path."""
+    return _install_command(kueue_path(), f"sigs.k8s.io/kueue/cmd/kueue@{KUEUE_VERSION}")
+
+
+def kueue_module() -> Path:
+    """Kueue's module source (its CRDs and webhook manifests, config/components/), from the Go module cache."""
+    info = json.loads(_go("mod", "download", "-json", f"sigs.k8s.io/kueue@{KUEUE_VERSION}", cwd=cache_root()))
+    return Path(info["Dir"])
+
+
+def _install_command(target: Path, package: str, ldflags: str = "") -> Path:
+    """``go install package`` into ``target``'s folder unless ``target`` is there; return ``target``."""
     if not target.is_file():
-        _step(f"building helm {HELM_VERSION} (a few minutes on 2 cores)")
+        _step(f"building {package} (a few minutes on 2 cores)")
         target.parent.mkdir(parents=True, exist_ok=True)
-        version = f"-X helm.sh/helm/v4/internal/version.version={HELM_VERSION}"
-        _go(
-            "install",
-            "-trimpath",
-            "-ldflags",
-            f"-s -w {version}",
-            f"helm.sh/helm/v4/cmd/helm@{HELM_VERSION}",
-            cwd=target.parent,
-            env={"GOBIN": str(target.parent)},
-        )
+        flags = f"-s -w {ldflags}".strip()
+        _go("install", "-trimpath", "-ldflags", flags, package, cwd=target.parent, env={"GOBIN": str(target.parent)})
     return target
 
 

@@ -9,6 +9,7 @@ PR_SET_PDEATHSIG, so a killed test run leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -37,6 +38,8 @@ KWOK_STAGES = Path(__file__).with_name("kwok-stages.yaml")
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+# How long a stopped process may take to exit on SIGTERM before it is killed.
+STOP_GRACE_SECONDS = 10.0
 # Admission plugins on top of the apiserver's defaults, as kubeadm clusters run them.
 EXTRA_ADMISSION_PLUGINS = "NodeRestriction"
 # Every request's metadata (who, verb, URI with its selectors, response code) goes to audit.log.
@@ -99,6 +102,9 @@ class Component:
     argv: list[str]
     log_path: Path
     env: dict[str, str] | None = None
+    own_group: bool = False
+    """Start it in a process group of its own, as a container: SIGTERM goes to the main process (the kubelet's
+    signal to PID 1), SIGKILL to the whole group (every process of a container dies with it)."""
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -111,7 +117,32 @@ class Component:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
+            start_new_session=self.own_group,
         )
+
+    def send(self, number: signal.Signals) -> None:
+        """Send ``number`` to the process if it runs (SIGKILL to its whole group, with ``own_group``)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if self.own_group and number is signal.SIGKILL:
+                os.killpg(self.process.pid, number)  # children that outlived the main process too
+            elif self.process.poll() is None:
+                self.process.send_signal(number)
+
+    def start_until_answering(self, url: str, timeout: float) -> None:
+        """Start, and return once ``url`` (its health or readiness endpoint) answers; else stop it and raise."""
+        self.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise ClusterError(f"{self.name} did not answer {url} within {timeout:.0f}s:\n{self.log_tail()}")
 
     def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
@@ -126,28 +157,46 @@ class Component:
         except OSError:
             return "(no log)"
 
-    def stop(self, grace_seconds: float = 10.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+    def stop(self, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM, then SIGKILL if it still runs after ``grace_seconds``; returns once it has exited."""
+        stop_all([[self]], grace_seconds)
+
+
+def stop_all(waves: list[list[Component]], grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """Stop the components of each wave together, wave after wave: SIGTERM to every one of a wave at once,
+    the next wave once those have exited; SIGKILL to any still running ``grace_seconds`` after the first
+    signal; then wait for every one. So it returns within ``grace_seconds`` and a moment, however many hang."""
+    deadline = time.monotonic() + grace_seconds
+    for wave in waves:
+        running = [c for c in wave if c.process is not None and c.process.poll() is None]
+        for component in running:
+            component.send(signal.SIGTERM)
+        for process in [c.process for c in running if c.process is not None]:
             try:
-                self.process.wait(timeout=grace_seconds)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._log is not None:
-            self._log.close()
+                break  # the grace period is over
+    components = [c for wave in waves for c in wave]
+    for component in components:
+        component.send(signal.SIGKILL)
+        if component.process is not None:
+            component.process.wait()
+        if component._log is not None:
+            component._log.close()
 
 
 @dataclass
 class LocalCluster:
     """A control plane rooted in ``workdir`` (certificates, etcd data, logs, kubeconfig).
 
-    ``nodes`` simulated kwok nodes are created, each with ``node_pods`` pod slots.
+    ``nodes`` simulated kwok nodes are created, each with ``node_pods`` pod slots. ``stop`` gives the
+    components ``stop_grace_seconds`` to exit on SIGTERM before it kills them.
     """
 
     workdir: Path
     nodes: int = 2
     node_pods: int = 1100
+    stop_grace_seconds: float = STOP_GRACE_SECONDS
     bin_dir: Path = field(default_factory=build.bin_dir)
     components: list[Component] = field(default_factory=list)
     kubeconfig: Path = field(init=False)
@@ -187,9 +236,12 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        """Stop every process this cluster started, newest first."""
-        for component in reversed(self.components):
-            component.stop()
+        """Stop every process this cluster started: all at once, but etcd once the others have exited (an
+        API server whose etcd is gone does not finish its shutdown); returns within ``stop_grace_seconds``
+        and a moment (see ``stop_all``)."""
+        clients = [c for c in self.components if c.name != "etcd"]
+        storage = [c for c in self.components if c.name == "etcd"]
+        stop_all([clients, storage], self.stop_grace_seconds)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

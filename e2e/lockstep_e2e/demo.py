@@ -1,5 +1,7 @@
 """The local demo: a real control plane, Lockstep installed, the operator running, and an RLJob that
-trains a tiny random Llama on the CPU after a preflight parity check. The operator's pods run as
+trains a tiny random Llama on the CPU after a preflight parity check, on the text task: which of two digits is
+larger, from a jsonl dataset in the repository through a chat template, scored by the built-in math_exact_match
+and evaluated greedily on held-out rows every 5 steps. The operator's pods run as
 local processes (the preflight pod, then two vLLM actors and two torch trainer ranks); the trainer
 announces new weights every step and the operator carries each to the actors in an in-flight
 barrier. Ends with the job's status, a metrics table and a PNG plot.
@@ -24,7 +26,8 @@ from lockstep_e2e import build
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO, install, start_operator
 from lockstep_e2e.jobs import condition
-from lockstep_e2e.rl import RunResult, plot, run_tiny_rl_job
+from lockstep_e2e.rl import EVAL, RunResult, plot, run_tiny_rl_job
+from lockstep_workers.text_task import EVAL_ROWS
 
 NAMESPACE = "demo"
 JOB = "tiny"
@@ -45,24 +48,25 @@ def metrics_table(result: RunResult) -> Table:
     columns = (
         ("step", "step", "{:.0f}"),
         ("reward", "reward", "{:.3f}"),
+        ("eval (v step-1)", EVAL, "{:.2f}"),
         ("clip rate", "clamp_log_ratio_new_old_indicator", "{:.3f}"),
         ("KL new/old", "kl_new_old", "{:.1e}"),
         ("ESS", "ess", "{:.3f}"),
         ("|Δlogprob| on-policy", "onpolicy_mean_abs_logprob_diff", "{:.1e}"),
-        ("lag", "lag", "{:.0f}"),
-        ("seconds", "seconds", "{:.1f}"),
+        ("lag", "staleness", "{:.0f}"),
+        ("s", "seconds", "{:.1f}"),
     )
     for title, _, _ in columns:
         table.add_column(title, justify="right")
     for record in result.steps:
-        table.add_row(*(form.format(record[key]) for _, key, form in columns))
+        table.add_row(*(form.format(record[key]) if key in record else "" for _, key, form in columns))
     return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workdir", type=Path, default=REPO / "out" / "demo", help="cluster state and logs")
-    parser.add_argument("--steps", type=int, default=20, help="trainer steps (one weight update each)")
+    parser.add_argument("--steps", type=int, default=30, help="trainer steps (one weight update each)")
     parser.add_argument("--keep", action="store_true", help="keep the cluster running until Ctrl-C")
     options = parser.parse_args()
     workdir: Path = options.workdir
@@ -80,8 +84,8 @@ def main() -> None:
         try:
             client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
             step(
-                f"applying RLJob {JOB} ({workdir / 'rljob.yaml'}): a tiny random Llama learns to say words w0-w31, "
-                f"{options.steps} steps; vLLM starts up in each actor first (about a minute on 2 cores)"
+                f"applying RLJob {JOB} ({workdir / 'rljob.yaml'}): a tiny random Llama learns which of two digits is "
+                f"larger, {options.steps} steps; vLLM starts up in each actor first (about a minute on 2 cores)"
             )
             result = run_tiny_rl_job(
                 cluster,
@@ -92,6 +96,7 @@ def main() -> None:
                 steps=options.steps,
                 progress=step,
                 preflight={"enabled": True},
+                text=True,
             )
             status = result.job["status"]
             if preflight := status.get("preflight"):
@@ -108,9 +113,17 @@ def main() -> None:
                 "{'  slowest: '}{.slowestPod}{'\\n'}{end}"
             )
             kubectl(cluster, "get", "rljob", JOB, "-n", NAMESPACE, "-o", f"jsonpath={history}")
+            if overheads := sorted(result.barrier_overheads().values()):
+                median = overheads[len(overheads) // 2]
+                step(
+                    f"barriers beyond the actors' own pause, load and resume: median {median:.3f}s,"
+                    f" max {overheads[-1]:.3f}s ({len(overheads)} barriers)"
+                )
             Console().print(metrics_table(result))
             rewards = [r["reward"] for r in result.steps]
             step(f"reward {rewards[0]:.3f} at step 1 -> {rewards[-1]:.3f} at step {len(rewards)}")
+            curve = ", ".join(f"v{r['step'] - 1} {r[EVAL]:.2f}" for r in result.steps if EVAL in r)
+            step(f"eval reward (greedy, {EVAL_ROWS} held-out rows) by weights version: {curve}")
             step(f"plot of reward, clip rate, KL and ESS: {plot(result.steps, workdir / 'rl-metrics.png')}")
             if status["phase"] != "Succeeded":
                 raise SystemExit(f"the job did not succeed; pod logs in {workdir / 'pods'}")

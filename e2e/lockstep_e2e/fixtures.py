@@ -6,6 +6,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -35,16 +36,25 @@ def kube(cluster: LocalCluster) -> Iterator[client.ApiClient]:
 @pytest.fixture
 def namespace(kube: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
     """A new namespace named after the test, ready for pods (its default service account exists)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
+    with fresh_namespace(kube, request.node.name) as name:
+        yield name
+
+
+@contextmanager
+def fresh_namespace(api: client.ApiClient, hint: str) -> Iterator[str]:
+    """A new namespace named after ``hint``, ready for pods, deleted when the block ends."""
+    slug = re.sub(r"[^a-z0-9]+", "-", hint.lower()).strip("-")[:40].rstrip("-")
     name = f"{slug}-{uuid.uuid4().hex[:6]}"
-    core = client.CoreV1Api(kube)
+    core = client.CoreV1Api(api)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     wait_for(
         lambda: bool(core.list_namespaced_service_account(name, field_selector="metadata.name=default").items),
         f"the default service account in namespace {name}",
     )
-    yield name
-    core.delete_namespace(name)
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 60.0, interval: float = 0.2) -> None:

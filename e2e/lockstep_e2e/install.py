@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,16 @@ import yaml
 from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
 
-from lockstep import api as lockstep_api
 from lockstep import keys
+from lockstep_e2e import build
 from lockstep_e2e.cluster import ClusterError, Component, LocalCluster, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO / "crds"
+CHART = REPO / "charts" / "lockstep"
+RELEASE = "lockstep"
+# The chart's templates that hold the operator's RBAC.
+RBAC_TEMPLATES = ("templates/rbac.yaml", "templates/leader-election-rbac.yaml")
 FIELD_MANAGER = "lockstep-e2e"
 
 
@@ -34,7 +39,7 @@ def manifests(directory: Path = CRD_DIR) -> list[dict[str, Any]]:
     ]
 
 
-def apply(api: client.ApiClient, documents: list[dict[str, Any]]) -> None:
+def apply(api: client.ApiClient, documents: list[dict[str, Any]], timeout: float = 60.0) -> None:
     """Server-side apply each document (create or update). CRDs go first; the rest waits until the CRDs are
     established and their schemas are published at /openapi/v3, which a ValidatingAdmissionPolicy's CEL type
     checker reads (a policy checked before then silently gets no type checking at all)."""
@@ -43,8 +48,12 @@ def apply(api: client.ApiClient, documents: list[dict[str, Any]]) -> None:
         _server_side_apply(api, document)
     if crds:
         kinds = [crd["spec"]["names"]["kind"] for crd in crds]
-        _wait(lambda: all(_established(api, crd["metadata"]["name"]) for crd in crds), f"CRDs {kinds} established")
-        _wait(lambda: _published(api, kinds), f"the OpenAPI v3 schemas of {kinds}")
+        _wait(
+            lambda: all(_established(api, crd["metadata"]["name"]) for crd in crds),
+            f"CRDs {kinds} established",
+            timeout,
+        )
+        _wait(lambda: all(_published(api, crd) for crd in crds), f"the OpenAPI v3 schemas of {kinds}", timeout)
     for document in documents:
         if document not in crds:
             _server_side_apply(api, document)
@@ -76,14 +85,18 @@ def _established(api: client.ApiClient, name: str) -> bool:
     return any(c.type == "Established" and c.status == "True" for c in conditions)
 
 
-def _published(api: client.ApiClient, kinds: list[str]) -> bool:
-    path = f"/openapi/v3/apis/{lockstep_api.GROUP}/{lockstep_api.VERSION}"
-    method, url, headers, _, _ = api.param_serialize("GET", path)
-    try:
-        schemas = json.loads(api.call_api(method, url, headers).read())["components"]["schemas"]
-    except (ApiException, KeyError, ValueError):
-        return False
-    return all(any(name.endswith(f".{kind}") for name in schemas) for kind in kinds)
+def _published(api: client.ApiClient, crd: dict[str, Any]) -> bool:
+    """Whether the schema of ``crd``'s kind is published, for every version it serves."""
+    kind = crd["spec"]["names"]["kind"]
+    for version in (v["name"] for v in crd["spec"]["versions"] if v.get("served", True)):
+        method, url, headers, _, _ = api.param_serialize("GET", f"/openapi/v3/apis/{crd['spec']['group']}/{version}")
+        try:
+            schemas = json.loads(api.call_api(method, url, headers).read())["components"]["schemas"]
+        except (ApiException, KeyError, ValueError):
+            return False
+        if not any(name.endswith(f".{kind}") for name in schemas):
+            return False
+    return True
 
 
 def install(api: client.ApiClient) -> None:
@@ -136,49 +149,68 @@ def pod_client(api: client.ApiClient, namespace: str, pod: str) -> client.ApiCli
     return token_client(api, token)
 
 
-def operator_kubeconfig(cluster: LocalCluster, api: client.ApiClient) -> Path:
-    """Credentials of the operator's service account (the only identity that may issue barrier commands).
+@functools.cache
+def chart_rbac(*values: str) -> tuple[dict[str, Any], ...]:
+    """The operator's RBAC exactly as the Helm chart grants it (with ``values``, ``key=value`` as for --set): its
+    ClusterRole and the Role for the leader election Lease, with their bindings (release ``lockstep`` in
+    keys.OPERATOR_NAMESPACE)."""
+    return _helm_template(RBAC_TEMPLATES, values)
 
-    It is bound to cluster-admin here; the Helm chart grants the least privilege instead.
-    """
+
+def _helm_template(templates: tuple[str, ...], values: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    """The chart's ``templates`` rendered as release ``lockstep`` with ``values`` (``key=value``, as for --set)."""
+    rendered = subprocess.run(
+        [str(build.build_helm()), "template", RELEASE, str(CHART), "-n", keys.OPERATOR_NAMESPACE]
+        + [f"--show-only={template}" for template in templates]
+        + [f"--set={value}" for value in values],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if rendered.returncode != 0:
+        raise ClusterError(f"helm template could not render the chart's {', '.join(templates)}:\n{rendered.stderr}")
+    return tuple(document for document in yaml.safe_load_all(rendered.stdout) if document)
+
+
+def chart_operator_env(*values: str) -> dict[str, str]:
+    """The environment the chart's Deployment gives the operator's container (with ``values``)."""
+    rendered = _helm_template(("templates/deployment.yaml",), values)
+    (deployment,) = (document for document in rendered if document["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {variable["name"]: variable["value"] for variable in container.get("env", []) if "value" in variable}
+
+
+def operator_kubeconfig(
+    cluster: LocalCluster, api: client.ApiClient, instance: str, chart_values: tuple[str, ...] = ()
+) -> Path:
+    """Credentials of the operator's service account (the only identity that may issue barrier commands),
+    with exactly the RBAC the Helm chart grants it (with ``chart_values``); a fresh token in a kubeconfig of its
+    own per ``instance``."""
     namespace, name = keys.OPERATOR_NAMESPACE, keys.OPERATOR_SERVICE_ACCOUNT
-    subject = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
     apply(
         api,
         [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}},
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": name},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-                "subjects": [subject],
-            },
+            *chart_rbac(*chart_values),
         ],
     )
-    return cluster.token_kubeconfig(name, service_account_token(api, namespace, name))
+    return cluster.token_kubeconfig(f"{name}-{instance}", service_account_token(api, namespace, name))
 
 
-def start_operator(cluster: LocalCluster, log_path: Path, *args: str, timeout: float = 60.0) -> Component:
-    """Run ``python -m lockstep.controller`` as the operator's service account; return once its liveness
-    probe answers."""
-    kubeconfig = operator_kubeconfig(cluster, cluster.api_client())
+def start_operator(
+    cluster: LocalCluster, log_path: Path, *args: str, timeout: float = 60.0, chart_values: tuple[str, ...] = ()
+) -> Component:
+    """Run ``python -m lockstep.controller`` as the operator's service account, with the RBAC and environment
+    the chart gives it under ``chart_values``; return once its liveness probe answers (a standby, under
+    ``--leader-election``, answers too)."""
     port = free_port()
+    kubeconfig = operator_kubeconfig(cluster, cluster.api_client(), str(port), chart_values)
     operator = Component(
         "lockstep-operator",
         [sys.executable, "-m", "lockstep.controller", f"--liveness=http://127.0.0.1:{port}/healthz", *args],
         log_path,
-        env={"KUBECONFIG": str(kubeconfig)},
+        env={**chart_operator_env(*chart_values), "KUBECONFIG": str(kubeconfig)},
     )
-    operator.start()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        operator.check_alive()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
-                return operator
-        except OSError:
-            time.sleep(0.2)
-    operator.stop()
-    raise ClusterError(f"the operator did not report healthy within {timeout:.0f}s:\n{operator.log_tail()}")
+    operator.start_until_answering(f"http://127.0.0.1:{port}/healthz", timeout)
+    return operator

@@ -8,6 +8,7 @@ from typing import Any, cast
 from kubernetes import client
 
 from lockstep import api, keys
+from lockstep.protocol import PROTOCOL
 from lockstep_e2e.install import pod_client
 
 POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
@@ -101,8 +102,10 @@ def events_for(kube: client.ApiClient, namespace: str, name: str) -> list[client
 
 
 def announce_weights(kube: client.ApiClient, namespace: str, job: str, version: int) -> None:
-    """What the trainer does after publishing weights: annotate its own pod (with a token bound to it)."""
-    weights = {"protocol": 1, "version": version, "uri": f"file:///weights/v{version}", "digest": f"sha256:{version}"}
+    """What the trainer does after publishing weights: annotate its own pod (with a token bound to it), naming a
+    file in the job's directory on its weights volume."""
+    uri = f"file:///var/lib/lockstep/{get_job(kube, namespace, job)['metadata']['uid']}/weights/v{version}.safetensors"
+    weights = {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
     trainer = f"{job}-trainer-0"
     client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
         trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}}

@@ -27,7 +27,9 @@ def _new_key() -> rsa.RSAPrivateKey:
 
 def _write_key(key: rsa.RSAPrivateKey, path: Path) -> None:
     path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
     )
     path.chmod(0o600)
 
@@ -40,21 +42,26 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
 
 
 class CertificateAuthority:
-    """A CA that issues the serving and client certificates of one local cluster."""
+    """A CA that issues the serving and client certificates of one local cluster (or of one component): its
+    certificates are valid for ``validity``; its own names ``common_name`` (its subject and its DNS name)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, common_name: str = "lockstep-local-ca", validity: dt.timedelta = _VALIDITY
+    ) -> None:
         self.directory = directory
+        self.validity = validity
         self._key = _new_key()
         now = dt.datetime.now(dt.UTC)
         self._cert = (
             x509.CertificateBuilder()
-            .subject_name(_name("lockstep-local-ca"))
-            .issuer_name(_name("lockstep-local-ca"))
+            .subject_name(_name(common_name))
+            .issuer_name(_name(common_name))
             .public_key(self._key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
+            .not_valid_after(now + validity)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(common_name)]), critical=False)
             .add_extension(
                 x509.KeyUsage(
                     digital_signature=True,
@@ -94,7 +101,7 @@ class CertificateAuthority:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
+            .not_valid_after(now + self.validity)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
         if server_hosts:

@@ -14,6 +14,7 @@ deleted, as a kubelet does.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -111,7 +112,7 @@ def run_pod(
         argv = [f"{flag}={value}" if a.startswith(f"{flag}=") else a for a in argv]
     if argv and argv[0] == "python":
         argv[0] = sys.executable  # the project's interpreter stands in for the image's
-    process = Component(f"pod/{namespace}/{pod}", argv, log, env=environment)
+    process = Component(f"pod/{namespace}/{pod}", argv, log, env=environment, own_group=True)
     process.start()
     return process
 
@@ -204,22 +205,27 @@ class JobPods:
     def _run(self, name: str, uid: str) -> None:
         overrides: dict[str, Any]
         if name in self.urls:
-            overrides = {"args": {"--port": self.urls[name].rsplit(":", 1)[1]}}
+            # Collective backends: the actors take weights only from trainer rank 0's local manifest server.
+            manifests = {
+                "LOCKSTEP_WEIGHTS_HOST": "127.0.0.1",
+                "LOCKSTEP_WEIGHTS_PORT": self.weights["LOCKSTEP_WEIGHTS_PORT"],
+            }
+            overrides = {"args": {"--port": self.urls[name].rsplit(":", 1)[1]}, "env": manifests}
         else:
             job = get_job(self.api, self.namespace, self.job)
             port = self.rendezvous.setdefault(job.get("status", {}).get("restarts", 0), free_port())
             metrics = self.metrics.get(name, ":0").rsplit(":", 1)[1]
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCKSTEP_METRICS_PORT": metrics}
             env |= {"LOCKSTEP_WEIGHTS_HOST": "127.0.0.1", **self.weights}
-            overrides = {"env": {**env, "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values())}}
+            # kwok's pod IPs in the actor Service's EndpointSlices lead nowhere here: the trainer gets the local URLs.
+            actors = {"LOCKSTEP_ACTORS_SERVICE": "", "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values())}
+            overrides = {"env": {**env, **actors}}
         log = self.logs / f"{name}.log"
         self.running[name] = (uid, run_pod(self.cluster, self.api, self.namespace, name, log, **overrides))
 
     def kill(self, name: str) -> None:
-        """SIGKILL the pod's process, as a node losing it would."""
-        component = self.running[name][1]
-        assert component.process is not None
-        component.process.kill()
+        """SIGKILL the pod's processes, as a node losing it would."""
+        self.running[name][1].send(signal.SIGKILL)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):

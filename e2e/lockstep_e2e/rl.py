@@ -1,4 +1,6 @@
-"""A real RL run on the local control plane: the tiny demo task, trained by an RLJob's own pods.
+"""A real RL run on the local control plane: a tiny demo task, trained by an RLJob's own pods: the target words
+(prompts of random words; a reward on token ids), or the text task (a dataset in the repository, a chat template, the
+built-in math_exact_match reward and evaluation during training; lockstep_workers.text_task).
 
 The operator creates the pods; the pod runner starts each one's container command (vLLM actors and
 torch trainer ranks) as a local process; the trainer announces each step's weights and the operator
@@ -21,19 +23,42 @@ from kubernetes import client
 
 from lockstep import keys
 from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.install import REPO
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
 from lockstep_e2e.podrunner import JobPods, local_volume, run_to_completion, running_pods
 from lockstep_e2e.scrape import scrape
+from lockstep_workers import text_task
 from lockstep_workers.tiny_model import create_tiny_llama
 
 UPDATE_LINE = re.compile(r"weight update done: (\{.*\})")
+TEXT_TASK_DATASET = REPO / "examples" / "datasets" / "larger"
+TEXT_TASK = {
+    "reward": "lockstep_workers.rewards:math_exact_match",
+    "dataset": {
+        "train": str(TEXT_TASK_DATASET / "train.jsonl"),
+        "eval": str(TEXT_TASK_DATASET / "eval.jsonl"),
+        "rewardFields": ["answer"],
+    },
+    "eval": {"everySteps": 5},
+    "rollout": {"promptsPerStep": 8, "samplesPerPrompt": 8, "maxTokens": 2, "temperature": 1.0},
+}
+"""spec.trainer fields of the text task (the pods run on this machine, so the dataset's paths are its own)."""
 
 
 def tiny_rl_job(
-    name: str, model: Path, shared: Path, *, steps: int, actors: int, trainers: int, **spec: Any
+    name: str,
+    model: Path,
+    shared: Path,
+    *,
+    steps: int,
+    actors: int,
+    trainers: int,
+    trainer: dict[str, Any] | None = None,
+    **spec: Any,
 ) -> dict[str, Any]:
-    """An RLJob that teaches the tiny random Llama at ``model`` the demo task, on the CPU; ``spec`` adds
-    or replaces top-level spec fields (by default weights go through files on ``shared``)."""
+    """An RLJob that teaches the tiny random Llama at ``model`` the target words task, on the CPU, or with
+    ``trainer`` (spec.trainer fields, e.g. TEXT_TASK) another; ``spec`` adds or replaces top-level spec fields (by
+    default weights go through files on ``shared``)."""
     spec.setdefault("weightSync", {"volume": {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}})
     return rljob(
         name,
@@ -44,6 +69,7 @@ def tiny_rl_job(
         trainer={
             "steps": steps,
             "maxLag": 1,
+            "checkpointEverySteps": 1,
             "rollout": {"promptsPerStep": 8, "samplesPerPrompt": 8, "maxTokens": 8, "temperature": 1.0},
             "objective": {
                 "algorithm": "grpo",
@@ -51,6 +77,7 @@ def tiny_rl_job(
                 "minibatches": 2,
                 "truncatedImportanceSampling": {"enabled": True, "cap": 2.0},
             },
+            **(trainer or {}),
         },
         actor_env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
         **spec,
@@ -63,10 +90,26 @@ class RunResult:
     steps: list[dict[str, Any]]
     """metrics.jsonl: one record per trainer step."""
     updates: dict[str, list[dict[str, Any]]]
-    """actor pod -> the weight updates it logged (version, pausedAt, loadedAt, resumedAt)."""
+    """actor pod -> the weight updates it logged (version, pausedAt, loadedAt, resumedAt, and how long its own
+    pause, load and resume took: pauseSeconds, loadSeconds, resumeSeconds)."""
     scraped: dict[str, str]
     """pod -> its last Prometheus scrape while the job ran (actors, trainer rank 0)."""
     seconds: float
+
+    def barrier_overheads(self) -> dict[int, float]:
+        """Weights version → seconds its completed barrier took beyond the slowest actor's own pause, load and
+        resume: what coordination cost (the operator, the API server, the agents' watches)."""
+        own: dict[int, float] = {}
+        for updates in self.updates.values():
+            for update in updates:
+                if "resumeSeconds" in update:
+                    work = update["pauseSeconds"] + update["loadSeconds"] + update["resumeSeconds"]
+                    own[update["version"]] = max(own.get(update["version"], 0.0), work)
+        return {
+            record["version"]: record["seconds"] - own[record["version"]]
+            for record in self.job["status"].get("barrierHistory", [])
+            if record["outcome"] == "Completed" and record["version"] in own
+        }
 
 
 def run_tiny_rl_job(
@@ -82,16 +125,18 @@ def run_tiny_rl_job(
     timeout: float = 900.0,
     progress: Callable[[str], None] = print,
     watch: Callable[[dict[str, Any], JobPods], None] | None = None,
+    text: bool = False,
     **spec: Any,
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec
-    fields), run its pods until it finishes (or ``timeout``; ``watch`` sees the job and its pods every second), and
-    collect what it recorded. With
+    fields; ``text``: the text task), run its pods until it finishes (or ``timeout``; ``watch`` sees the job and its
+    pods every second), and collect what it recorded. With
     ``preflight: {enabled: true}`` the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
-    model = create_tiny_llama(workdir / "model")
+    model = text_task.create_model(workdir / "model") if text else create_tiny_llama(workdir / "model")
     shared = workdir / "shared"
-    manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers, **spec)
+    trainer = TEXT_TASK if text else None
+    manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers, trainer=trainer, **spec)
     (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     job = create_job(kube, namespace, manifest)
     logs = workdir / "pods"
@@ -134,9 +179,10 @@ def run_tiny_rl_job(
                 raise TimeoutError(f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}")
             records = _records(metrics)
             for record in records[reported:]:
+                evaluated = f"eval reward {record[EVAL]:.3f} (v{record['step'] - 1}), " if EVAL in record else ""
                 progress(
-                    f"step {record['step']:>3}/{steps}: reward {record['reward']:.3f}, "
-                    f"actors serve v{job['status'].get('weightsVersion') or 0}, lag {record['lag']:.0f}"
+                    f"step {record['step']:>3}/{steps}: {evaluated}reward {record['reward']:.3f}, "
+                    f"actors serve v{job['status'].get('weightsVersion') or 0}, staleness {record['staleness']:.0f}"
                 )
             reported = len(records)
             if watch is not None:
@@ -158,8 +204,9 @@ def _records(candidates: list[Path]) -> list[dict[str, Any]]:
     return []
 
 
+EVAL = "eval_reward"
 PLOTTED = (
-    ("reward", "reward"),
+    ("reward", "reward (and eval reward, greedy, on the eval split)"),
     ("clamp_log_ratio_new_old_indicator", "clip rate"),
     ("kl_new_old", "KL(new || old)"),
     ("ess", "ESS of rollout→trainer weights"),
@@ -177,6 +224,10 @@ def plot(steps: list[dict[str, Any]], path: Path) -> Path:
     x = [r["step"] for r in steps]
     for axis, (key, title) in zip(axes, PLOTTED, strict=True):
         axis.plot(x, [r[key] for r in steps], marker="o", markersize=3)
+        if key == "reward" and (evaluated := [r for r in steps if EVAL in r]):
+            # Each evaluation measured the weights its step started from: version step - 1.
+            axis.plot([r["step"] - 1 for r in evaluated], [r[EVAL] for r in evaluated], marker="s", label="eval")
+            axis.legend()
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

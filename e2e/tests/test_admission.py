@@ -31,12 +31,26 @@ LOCKED: dict[str, Any] = {"enablePrefixCaching": False, "logprobsMode": "process
 CONFLICT: dict[str, Any] = {"logprobsMode": "raw_logprobs"}
 
 
+def denied(message: str, policy: str = admission.NAME) -> str:
+    """A refusal by ``policy``, exactly (less the API server's 'rljobs.lockstep.dev "job-x" is forbidden: ')."""
+    return f"ValidatingAdmissionPolicy '{policy}' with binding '{policy}' denied request: {message}"
+
+
 def expected(policy: str, key: str = "logprobsMode", locked: str = "processed_logprobs") -> str:
-    """The policy's refusal, exactly (less the API server's 'rljobs.lockstep.dev "job-x" is forbidden: ')."""
-    return (
-        f"ValidatingAdmissionPolicy '{admission.NAME}' with binding '{admission.NAME}' denied request: "
+    """The policy's refusal of a job that sets a locked key otherwise."""
+    return denied(
         f"spec.actors.vllm.{key}: ParityPolicy '{policy}' (Enforce) locks it to {locked}; "
         "remove the key or set it to that value"
+    )
+
+
+def not_applicable(policy: str, namespace: str, labels: dict[str, str]) -> str:
+    """The refusal of a job that names a policy whose namespaceSelector does not select its namespace."""
+    needed = " ".join(f"{key}={value}" for key, value in labels.items())
+    return denied(
+        f"spec.parityPolicy: ParityPolicy '{policy}' does not apply to namespace '{namespace}' (its namespaceSelector "
+        f"needs the labels {needed}); a cluster administrator may label the namespace (kubectl label namespace "
+        f"{namespace} {needed}), or name a policy that selects it"
     )
 
 
@@ -46,26 +60,32 @@ PolicyFactory = Callable[..., str]
 @pytest.fixture(scope="session")
 def parity_admission(kube: client.ApiClient) -> None:
     """The CRDs and admission policies in crds/ (not the default ParityPolicy), server-side applied: idempotent,
-    since the whole session shares the cluster. Returns once the policy was type-checked without warnings."""
+    since the whole session shares the cluster. Returns once every policy was type-checked without warnings."""
     apply(kube, [document for document in manifests() if document["kind"] != "ParityPolicy"])
     registration = client.AdmissionregistrationV1Api(kube)
+    for name in (admission.NAME, admission.SINGLE_DEFAULT, admission.BARRIER_POLICY):
 
-    def checked() -> bool:
-        vap = registration.read_validating_admission_policy(admission.NAME)
-        return vap.status is not None and vap.status.observed_generation == vap.metadata.generation
+        def checked(name: str = name) -> bool:
+            vap = registration.read_validating_admission_policy(name)
+            return vap.status is not None and vap.status.observed_generation == vap.metadata.generation
 
-    wait_for(checked, "the ValidatingAdmissionPolicy to be type-checked")
-    status = registration.read_validating_admission_policy(admission.NAME).status
-    warnings = status.type_checking.expression_warnings if status.type_checking else None
-    assert not warnings, f"CEL type-check warnings: {warnings}"
+        wait_for(checked, f"the ValidatingAdmissionPolicy {name} to be type-checked")
+        status = registration.read_validating_admission_policy(name).status
+        warnings = status.type_checking.expression_warnings if status.type_checking else None
+        assert not warnings, f"CEL type-check warnings in {name}: {warnings}"
 
 
 @pytest.fixture
 def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyFactory]:
     """``policies(enforcement, default=, match_labels=, vllm=, name=)`` creates a ParityPolicy (uniquely named
-    unless ``name`` is given) and returns its name; the test's policies are deleted afterwards."""
+    unless ``name`` is given) and returns its name; the test's policies are deleted afterwards.
+
+    Only one policy may be the default: ``default=True`` first unsets it on the others (the session's default
+    ParityPolicy, when another test installed it), and sets it again once the test's policies are gone.
+    """
     custom = client.CustomObjectsApi(kube)
     created: list[str] = []
+    demoted: list[str] = []
 
     def create(
         enforcement: str = "Enforce",
@@ -76,6 +96,11 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
         name: str | None = None,
     ) -> str:
         name = name or f"e2e-{enforcement.lower()}-{uuid.uuid4().hex[:8]}"
+        if default:
+            for other in custom.list_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies")["items"]:
+                if other["spec"]["default"]:
+                    demoted.append(other["metadata"]["name"])
+                    set_default(kube, demoted[-1], False)
         spec: dict[str, Any] = {
             "enforcement": enforcement,
             "default": default,
@@ -91,6 +116,24 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
     yield create
     for name in created:
         custom.delete_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", name)
+    for name in demoted:  # refused until the informer has seen the test's default go
+        wait_for(lambda name=name: _admitted(lambda: set_default(kube, name, True)), f"{name} to be the default again")
+
+
+def set_default(kube: client.ApiClient, name: str, default: bool) -> None:
+    client.CustomObjectsApi(kube).patch_cluster_custom_object(
+        api.GROUP, api.VERSION, "paritypolicies", name, {"spec": {"default": default}}
+    )
+
+
+def _admitted(call: Callable[[], object], policy: str = admission.SINGLE_DEFAULT) -> bool:
+    """Whether ``call`` went through; False when ``policy`` refused it (other errors raise)."""
+    try:
+        call()
+    except ApiException as error:
+        _policy_refusal(error, policy)
+        return False
+    return True
 
 
 def rljob(vllm: dict[str, Any], policy: str | None = None) -> dict[str, Any]:
@@ -120,13 +163,14 @@ def refusal(kube: client.ApiClient, namespace: str, job: dict[str, Any]) -> str 
     return None
 
 
-def _policy_refusal(error: ApiException) -> str:
-    """The policy's refusal message, from "ValidatingAdmissionPolicy ..." on; any other error is raised again."""
+def _policy_refusal(error: ApiException, policy: str = admission.NAME) -> str:
+    """``policy``'s refusal message, from "ValidatingAdmissionPolicy ..." on; any other error is raised again."""
     status = json.loads(error.body)
-    if error.status != 422 or status.get("reason") != "Invalid" or admission.NAME not in status.get("message", ""):
+    message: str = status.get("message", "")
+    codes = {"Invalid": 422, "Forbidden": 403}
+    if codes.get(status.get("reason")) != error.status or f"ValidatingAdmissionPolicy '{policy}'" not in message:
         raise error
     # The API server prefixes 'rljobs.lockstep.dev "job-x7k2p" is forbidden: ' (even for reason Invalid, code 422).
-    message: str = status["message"]
     return message[message.index("ValidatingAdmissionPolicy") :]
 
 
@@ -173,11 +217,74 @@ def test_policy_applies_only_to_the_namespaces_it_selects(
 ) -> None:
     label = {"lockstep.dev/e2e-selected": namespace}
     policy = policies(match_labels=label)
-    sentinel(kube, namespace, policies)
-    assert refusal(kube, namespace, rljob(CONFLICT, policy)) is None
+    assert refused_eventually(kube, namespace, rljob(CONFLICT, policy)) == not_applicable(policy, namespace, label)
 
     client.CoreV1Api(kube).patch_namespace(namespace, {"metadata": {"labels": label}})
-    assert refused_eventually(kube, namespace, rljob(CONFLICT, policy)) == expected(policy)
+    # The namespace reaches the policy through an informer: until it has seen the label, the refusal is the old one.
+    wait_for(
+        lambda: refusal(kube, namespace, rljob(CONFLICT, policy)) == expected(policy),
+        f"the labelled namespace to be refused with: {expected(policy)}",
+    )
+
+
+@pytest.mark.parametrize("enforcement", ["Warn", "Audit"])
+def test_a_job_cannot_escape_the_default_by_naming_a_policy_meant_for_other_namespaces(
+    kube: client.ApiClient, namespace: str, policies: PolicyFactory, enforcement: str
+) -> None:
+    """Issue item 9: an administrator scopes a lax policy with its namespaceSelector, and admission holds to it."""
+    label = {"lockstep.dev/e2e-lax": namespace}
+    lax = policies(enforcement, match_labels=label)
+    assert refused_eventually(kube, namespace, rljob(CONFLICT, lax)) == not_applicable(lax, namespace, label)
+    assert refusal(kube, namespace, rljob(LOCKED, lax)) == not_applicable(lax, namespace, label)
+
+    client.CoreV1Api(kube).patch_namespace(namespace, {"metadata": {"labels": label}})
+    # The namespace reaches the policy through an informer too: admitted once it has seen the label.
+    wait_for(lambda: refusal(kube, namespace, rljob(CONFLICT, lax)) is None, "the labelled namespace to be admitted")
+
+
+def test_only_one_policy_may_be_the_default(kube: client.ApiClient, policies: PolicyFactory) -> None:
+    """Issue item 11: a second default would stall every job that names no policy (AmbiguousDefaultPolicy)."""
+    custom = client.CustomObjectsApi(kube)
+    nowhere = {"lockstep.dev/e2e-default": uuid.uuid4().hex}  # selects no namespace: no other test is affected
+    first = policies(default=True, match_labels=nowhere)
+    message = denied(
+        f"spec.default: ParityPolicy '{first}' is already the default, and jobs that name no policy need exactly "
+        f"one; set spec.default: false on this one, or first set it to false on '{first}'",
+        admission.SINGLE_DEFAULT,
+    )
+    second = f"e2e-second-{uuid.uuid4().hex[:8]}"
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": "ParityPolicy",
+        "metadata": {"name": second},
+        "spec": {
+            "enforcement": "Audit",
+            "default": True,
+            "vllm": LOCKED,
+            "namespaceSelector": {"matchLabels": nowhere},
+        },
+    }
+    refusals: list[str] = []
+
+    def create_refused() -> bool:
+        try:
+            custom.create_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", body)
+        except ApiException as error:
+            refusals.append(_policy_refusal(error, admission.SINGLE_DEFAULT))
+            return True
+        custom.delete_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", second)  # the informer lags
+        return False
+
+    wait_for(create_refused, "a second default ParityPolicy to be refused")
+    assert refusals[-1] == message
+    # Making an existing policy the default is refused alike; keeping or unsetting it is not checked.
+    warn = policies("Warn", match_labels=nowhere)
+    with pytest.raises(ApiException) as refused:
+        set_default(kube, warn, True)
+    assert _policy_refusal(refused.value, admission.SINGLE_DEFAULT) == message
+    set_default(kube, first, True)
+    set_default(kube, first, False)
+    wait_for(lambda: _admitted(lambda: set_default(kube, warn, True)), f"{warn} to become the default")
 
 
 def test_job_that_names_no_policy_is_checked_against_the_default(

@@ -30,7 +30,11 @@ BAD_SPECS = {
     "no weights volume": {"weightSync": {"backend": "filesystem"}},
     "reward not importable": {"trainer": {"image": "t", "reward": "rewards.py"}},
     "too few prompts": {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
+    "no actors": {"actors": {"image": "a", "replicas": 0}},
+    "bad quantity": {"actors": {"image": "a", "resources": {"limits": {"cpu": "lots"}}}},
+    "bad env": {"trainer": {"image": "t", "reward": "m:f", "env": [{"name": "MY VAR", "value": "1"}, {"value": "2"}]}},
 }
+BAD_NAMES = {"dotted name": "my.job"}
 
 
 def lockstep_cli(*args: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -40,12 +44,12 @@ def lockstep_cli(*args: str, kubeconfig: Path | None = None) -> subprocess.Compl
     )
 
 
-@pytest.mark.parametrize("case", list(BAD_SPECS))
+@pytest.mark.parametrize("case", [*BAD_SPECS, *BAD_NAMES])
 def test_validate_says_what_the_api_server_says(
     cluster: LocalCluster, namespace: str, tmp_path: Path, case: str
 ) -> None:
-    body: dict[str, Any] = rljob("bad")
-    body["spec"].update(BAD_SPECS[case])
+    body: dict[str, Any] = rljob(BAD_NAMES.get(case, "bad"))
+    body["spec"].update(BAD_SPECS.get(case, {}))
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(body))
 
@@ -104,7 +108,8 @@ def test_status_shows_phase_parity_and_barrier_history(
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert lines[0] == f"RLJob {namespace}/shown: Running, weights version 1, lag 0"
+    assert lines[1].startswith("  restarts 0 (failures, against spec.maxRestarts), replacements 0")
     assert any(line.startswith("  ParityLocked=True (Locked)") for line in lines)
     assert any(
-        line.startswith("  v1 Completed in ") and "Pause" in line and "slowest shown-actor-" in line for line in lines
+        line.startswith("  v1 Completed in ") and "Update" in line and "slowest shown-actor-" in line for line in lines
     )

@@ -101,15 +101,22 @@ def test_a_job_runs_with_pods_services_config_and_status(
     assert config["vllm"]["enablePrefixCaching"] is False
 
     columns = table_row(kubectl(cluster, "get", "rljobs", "-n", namespace))
-    assert list(columns) == ["NAME", "PHASE", "ACTORS", "TRAINER", "WEIGHTS", "PARITY", "READY", "AGE"]
+    assert list(columns) == ["NAME", "PHASE", "ACTORS", "TRAINER", "WEIGHTS", "QUEUE", "PARITY", "READY", "AGE"]
     assert columns["PHASE"] == "Running" and columns["ACTORS"] == "2/2" and columns["TRAINER"] == "2/2"
-    assert columns["WEIGHTS"] == "" and columns["PARITY"] == "True" and columns["READY"] == "True"
+    assert columns["WEIGHTS"] == "" and columns["QUEUE"] == "" and columns["PARITY"] == "True"
+    assert columns["READY"] == "True"
 
 
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
         ({"actors": {"image": "a", "replicas": -1}}, "spec.actors.replicas: Invalid value: -1"),
+        ({"actors": {"image": "a", "replicas": 0}}, "spec.actors.replicas: Invalid value: 0"),
+        (
+            {"actors": {"image": "a", "resources": {"limits": {"cpu": "lots"}}}},
+            'spec.actors.resources.limits.cpu: Invalid value: "lots"',
+        ),
+        ({"actors": {"image": "a", "env": [{"value": "x"}]}}, "spec.actors.env[0].name: Required value"),
         ({"actors": {"image": "a", "vllm": {"maxModelLen": "long"}}}, "spec.actors.vllm.maxModelLen: Invalid value"),
         ({"actors": {"image": "a", "vllm": {"gpuMemoryUtilization": 1.5}}}, "spec.actors.vllm.gpuMemoryUtilization"),
         ({"actors": {"replicas": 1}}, "spec.actors.image: Required value"),
@@ -136,6 +143,8 @@ def test_invalid_jobs_are_refused_naming_the_field(
 def test_a_name_too_long_for_pod_host_names_is_refused(kube: client.ApiClient, namespace: str) -> None:
     message = refusal(lambda: create_job(kube, namespace, rljob("x" * 46)))
     assert "metadata.name: at most 45 characters" in message
+    message = refusal(lambda: create_job(kube, namespace, rljob("my.job")))
+    assert "metadata.name: lower-case letters, digits and '-'" in message and "(no '.')" in message
 
 
 def test_an_incoherent_policy_is_refused_with_the_reason(kube: client.ApiClient) -> None:
@@ -271,8 +280,13 @@ def test_policy_changes_and_deletion_while_jobs_use_it(
     # Tightened: the job's seed now conflicts; the job keeps no pods and says which key.
     custom.patch_cluster_custom_object(*POLICIES, name, {"spec": {"vllm": {"seed": 1}}})
     wait_for(lambda: not pod_names(kube, namespace, "user"), "the conflicting job's pods to be removed")
+    # The pods are deleted before the status that says why is written.
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "user"), "ParityLocked").get("reason") == "ConflictsWithPolicy",
+        "ConflictsWithPolicy",
+        timeout=10,
+    )
     parity = condition(get_job(kube, namespace, "user"), "ParityLocked")
-    assert parity["reason"] == "ConflictsWithPolicy"
     assert "spec.actors.vllm.seed=7 (locked to 1)" in parity["message"]
 
     # Loosened again: pods come back.
@@ -383,9 +397,12 @@ def test_operator_lists_and_watches_only_its_own_pods(
         assert keys.POD_SELECTOR in selector.split(","), request
 
 
-def test_kueue_style_admission_by_unsuspending(kube: client.ApiClient, namespace: str) -> None:
-    """Kueue creates jobs suspended, may set node selectors while they wait, then admits them by
-    setting suspend to false; to preempt, it suspends them again and expects the pods to go."""
+def test_a_job_suspended_by_hand_resumes_with_the_node_selectors_set_meanwhile(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """A person (or a queueing system that drives spec.suspend) creates a job suspended, sets node selectors while
+    it waits, then lets it run by setting suspend to false; suspending it again deletes the pods. Kueue itself is
+    tested in test_kueue.py."""
     create_job(kube, namespace, rljob("queued", actors=2, suspend=True))
     job = wait_phase(kube, namespace, "queued", "Suspended")
     assert not pod_names(kube, namespace, "queued"), "a suspended job holds no pods"

@@ -11,6 +11,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lockstep import keys
+from lockstep.protocol import PROTOCOL
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component
 from lockstep_e2e.fixtures import running_job, wait_for, weights_version
@@ -35,11 +36,11 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
     history = status["barrierHistory"]
     assert [record["version"] for record in history] == [1, 2]
     assert all(record["outcome"] == "Completed" and record["members"] == 3 for record in history)
-    assert set(history[0]["phaseSeconds"]) == {"Pause", "Update", "Resume"}
+    assert set(history[0]["phaseSeconds"]) == {"Update", "Resume"}
     assert any("weights version 2 live on 3 member(s)" in e.message for e in events_for(kube, namespace, "sync"))
 
 
-@pytest.mark.parametrize(("phase", "step"), [("Pause", "pause"), ("Update", "load"), ("Resume", "resume")])
+@pytest.mark.parametrize(("phase", "step"), [("Update", "pause"), ("Update", "load"), ("Resume", "resume")])
 def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
     kube: client.ApiClient, namespace: str, lockstep: Component, phase: str, step: str
 ) -> None:
@@ -102,7 +103,7 @@ def test_a_silent_actor_fails_the_job_on_timeout(kube: client.ApiClient, namespa
         wait_for(lambda: phase(get_job(kube, namespace, "stuck")) == "Failed", "the job to fail", timeout=60)
     ready = next(c for c in get_job(kube, namespace, "stuck")["status"]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "WeightUpdateFailed"
-    assert "stuck-actor-1 did not ack Pause in time (spec.weightSync.onTimeout: FailJob)" in ready["message"]
+    assert "stuck-actor-1 did not ack Update in time (spec.weightSync.onTimeout: FailJob)" in ready["message"]
 
 
 def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient, namespace: str) -> None:
@@ -128,10 +129,10 @@ def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace
         lambda: any("ignored the ack on noisy-actor-0" in e.message for e in events_for(kube, namespace, "noisy")),
         "an Event about the unreadable ack",
     )
-    stale = json.dumps({"protocol": 1, "id": "someone-else/1/1", "phase": "Paused"})
+    stale = json.dumps({"protocol": PROTOCOL, "id": "someone-else/1/1", "phase": "Updated"})
     core.patch_namespaced_pod(actors[0], namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: stale}}})
     time.sleep(1)  # give the operator a pass over the stale ack
-    assert get_job(kube, namespace, "noisy")["status"]["barrier"]["phase"] == "Pause"
+    assert get_job(kube, namespace, "noisy")["status"]["barrier"]["phase"] == "Update"
     with running_agents(kube, namespace, actors):
         wait_for(lambda: weights_version(kube, namespace, "noisy") == 1, "the update once the agent answers")
 
@@ -150,8 +151,10 @@ def test_only_the_operator_commands_and_a_pod_acks_only_for_itself(kube: client.
     as_admin = client.CoreV1Api(kube)
     as_other_job = client.CoreV1Api(pod_client(kube, namespace, "other-actor-0"))
     worker = f"system:serviceaccount:{namespace}:guarded-worker"
-    command = json.dumps({"protocol": 1, "id": "forged/1/1", "version": 1, "uri": "u", "digest": "d", "phase": "Pause"})
-    ack = json.dumps({"protocol": 1, "id": "forged/1/1", "phase": "Paused"})
+    command = json.dumps(
+        {"protocol": PROTOCOL, "id": "forged/1/1", "version": 1, "uri": "u", "digest": "d", "phase": "Pause"}
+    )
+    ack = json.dumps({"protocol": PROTOCOL, "id": "forged/1/1", "phase": "Paused"})
 
     def annotate(api: client.CoreV1Api, pod: str, key: str, value: str) -> Any:
         return lambda: api.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {key: value}}})

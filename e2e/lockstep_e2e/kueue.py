@@ -1,0 +1,128 @@
+"""Kueue's real controller manager on a local control plane: built from sigs.k8s.io/kueue (lockstep_e2e.build),
+its CRDs and webhook configurations taken from the module's config/components, its webhooks served on loopback.
+Only Kueue's own kinds go through its webhooks: Lockstep drives the Workload API itself, with RLJob among Kueue's
+integrations.externalFrameworks.
+
+Kueue's internal certificate management runs as in a real installation, but finds its Secret (and the files a
+kubelet would mount from it) already holding a CA and a serving certificate valid for its Service's name and for
+127.0.0.1, so it keeps them, and the API server calls the webhooks at https://127.0.0.1 (there is no Service
+network here).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from lockstep import kueue
+from lockstep_e2e import build
+from lockstep_e2e.cluster import Component, LocalCluster, free_port
+from lockstep_e2e.install import apply
+from lockstep_e2e.pki import CertificateAuthority
+
+NAMESPACE = "kueue-system"
+SERVICE = "kueue-webhook-service"
+SECRET = "kueue-webhook-server-cert"
+CA_NAME = "kueue-ca"
+"""The name Kueue's certificate rotator checks its CA for (pkg/util/cert)."""
+CERTIFICATE_VALIDITY = dt.timedelta(days=365)
+"""Longer than the rotator's 90-day lookahead, so that it keeps the certificates it is given."""
+CONVERTED_CRDS = ("workloads", "clusterqueues", "localqueues", "cohorts", "multikueueclusters")
+"""Kueue's CRDs that serve two versions through its conversion webhook (config/components/crd/patches)."""
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [document for document in yaml.safe_load_all(path.read_text()) if document]
+
+
+def _crds(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
+    crds = [crd for path in sorted((module / "config/components/crd/bases").glob("*.yaml")) for crd in _documents(path)]
+    for crd in crds:
+        if crd["spec"]["names"]["plural"] in CONVERTED_CRDS:
+            webhook = {"clientConfig": {**client_config, "url": client_config["url"] + "/convert"}}
+            crd["spec"]["conversion"] = {
+                "strategy": "Webhook",
+                "webhook": {**webhook, "conversionReviewVersions": ["v1"]},
+            }
+    return crds
+
+
+def _webhooks(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Kueue's webhook configurations with only the webhooks for its own kinds, each called on loopback."""
+    configurations = _documents(module / "config/components/webhook/manifests.yaml")
+    for configuration in configurations:
+        configuration["metadata"]["name"] = f"kueue-{configuration['metadata']['name']}"
+        own = [
+            hook
+            for hook in configuration["webhooks"]
+            if all(group == kueue.GROUP for rule in hook["rules"] for group in rule["apiGroups"])
+        ]
+        for hook in own:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {**client_config, "url": client_config["url"] + path}
+        configuration["webhooks"] = own
+    return configurations
+
+
+def start_kueue(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeout: float = 180.0) -> Component:
+    """Install Kueue's CRDs and webhooks into ``cluster`` and run its controller manager; return once it is ready."""
+    binary, module = build.build_kueue(), build.kueue_module()
+    workdir.mkdir(parents=True, exist_ok=True)
+    authority = CertificateAuthority(workdir, common_name=CA_NAME, validity=CERTIFICATE_VALIDITY)
+    serving = authority.issue("webhook", SERVICE, server_hosts=(f"{SERVICE}.{NAMESPACE}.svc", "127.0.0.1"))
+    files = {
+        "ca.crt": authority.pair.cert,
+        "ca.key": authority.pair.key,
+        "tls.crt": serving.cert,
+        "tls.key": serving.key,
+    }
+    # In a cluster the kubelet mounts this Secret at the webhook's certDir; here it is written there.
+    certificates = workdir / "certs"
+    certificates.mkdir(exist_ok=True)
+    for key, path in files.items():
+        (certificates / key).write_bytes(path.read_bytes())
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": SECRET, "namespace": NAMESPACE},
+        "data": {key: base64.b64encode(path.read_bytes()).decode() for key, path in files.items()},
+    }
+    webhook_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    client_config = {
+        "url": f"https://127.0.0.1:{webhook_port}",
+        "caBundle": base64.b64encode(authority.pair.cert.read_bytes()).decode(),
+    }
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+    # Kueue's eleven CRDs are large (the Workload's schema alone is 19,000 lines): give them time on a busy machine.
+    apply(api, [namespace, secret, *_crds(module, client_config), *_webhooks(module, client_config)], timeout)
+    configuration = {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": NAMESPACE,
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        "metrics": {"bindAddress": f"127.0.0.1:{metrics_port}"},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(certificates)},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": True, "webhookServiceName": SERVICE, "webhookSecretName": SECRET},
+        "integrations": {"frameworks": [], "externalFrameworks": [kueue.FRAMEWORK]},
+    }
+    config_path = workdir / "configuration.yaml"
+    config_path.write_text(yaml.safe_dump(configuration))
+    controller = Component(
+        "kueue",
+        [
+            str(binary),
+            f"--config={config_path}",
+            "--feature-gates=VisibilityOnDemand=false",
+            f"--visibility-server-port={free_port()}",
+        ],
+        workdir / "kueue.log",
+        env={"KUBECONFIG": str(cluster.kubeconfig)},
+    )
+    controller.start_until_answering(f"http://127.0.0.1:{health_port}/readyz", timeout)
+    return controller

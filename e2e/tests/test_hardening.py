@@ -1,0 +1,287 @@
+"""What one bad ack, one bad job, ordinary edits and faults do to the operator, on the real control plane.
+
+Each test reproduces a report of the hardening review (the operator used to fail it) and shows what happens now.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from lockstep import api, keys
+from lockstep.protocol import PROTOCOL
+from lockstep_e2e.agents import running_agents
+from lockstep_e2e.fixtures import push_weights, running_job, wait_for, weights_version
+from lockstep_e2e.install import pod_client
+from lockstep_e2e.jobs import (
+    POLICIES,
+    announce_weights,
+    condition,
+    create_job,
+    events_for,
+    get_job,
+    job_pods,
+    patch_job,
+    phase,
+    rljob,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
+
+
+def barrier_of(kube: client.ApiClient, namespace: str, job: str) -> dict[str, Any]:
+    return dict(get_job(kube, namespace, job)["status"].get("barrier") or {})
+
+
+def command_on(kube: client.ApiClient, namespace: str, pod: str) -> dict[str, Any]:
+    annotations = client.CoreV1Api(kube).read_namespaced_pod(pod, namespace).metadata.annotations or {}
+    return dict(json.loads(annotations.get(keys.BARRIER, "{}")))
+
+
+def ack_as(kube: client.ApiClient, namespace: str, pod: str, **ack: Any) -> None:
+    """Write ``ack`` on ``pod`` with a token bound to that pod, as its agent would."""
+    text = json.dumps({"protocol": PROTOCOL, **ack})
+    client.CoreV1Api(pod_client(kube, namespace, pod)).patch_namespaced_pod(
+        pod, namespace, {"metadata": {"annotations": {keys.BARRIER_ACK: text}}}
+    )
+
+
+UNTOLERABLE = [{"key": "gpu", "operator": "Sometimes"}]
+"""Tolerations the RLJob schema passes through (a core type) and the API server refuses on a pod."""
+
+
+def parity_policy(name: str) -> dict[str, Any]:
+    """The smallest coherent ParityPolicy (Enforce, not the default)."""
+    spec = {"vllm": {"enablePrefixCaching": False}}
+    return {"apiVersion": api.API_VERSION, "kind": "ParityPolicy", "metadata": {"name": name}, "spec": spec}
+
+
+def uids(kube: client.ApiClient, namespace: str, job: str) -> dict[str, str]:
+    """The job's pods that are not being deleted: name → UID."""
+    pods = job_pods(kube, namespace, job)
+    return {p.metadata.name: p.metadata.uid for p in pods if not p.metadata.deletion_timestamp}
+
+
+def test_one_error_ack_concerns_that_actor_alone(kube: client.ApiClient, namespace: str) -> None:
+    body = rljob("flaky", actors=4, weightSync={"barrierTimeoutSeconds": 300, "onTimeout": "EvictStraggler"})
+    create_job(kube, namespace, body)
+    wait_for(lambda: phase(get_job(kube, namespace, "flaky")) == "Running", "RLJob flaky to run")
+    before = uids(kube, namespace, "flaky")
+    announce_weights(kube, namespace, "flaky", 1)
+    wait_for(lambda: barrier_of(kube, namespace, "flaky").get("phase") == "Update", "the barrier to open")
+    barrier_id = barrier_of(kube, namespace, "flaky")["id"]
+    ack_as(kube, namespace, "flaky-actor-0", id=barrier_id, phase="Updated", loadedVersion=1)
+    ack_as(kube, namespace, "flaky-actor-1", id=barrier_id, phase="Updated", error="transient")
+    wait_for(lambda: command_on(kube, namespace, "flaky-actor-1").get("retry") == 1, "actor 1 to be asked again")
+    wait_for(lambda: any("retry 1 of 2" in e.message for e in events_for(kube, namespace, "flaky")), "the Event")
+    assert uids(kube, namespace, "flaky") == before, "nobody was evicted for actor 1's error"
+    assert set(barrier_of(kube, namespace, "flaky")["members"]) == set(before) - {"flaky-trainer-0"}
+
+    with running_agents(kube, namespace, [f"flaky-actor-{i}" for i in range(4)]) as engines:
+        wait_for(lambda: weights_version(kube, namespace, "flaky") == 1, "the update with every actor")
+    assert all(engine.calls == ["pause", "load 1", "resume"] for engine in engines.values())
+    record = get_job(kube, namespace, "flaky")["status"]["barrierHistory"][-1]
+    assert record["outcome"] == "Completed" and record["members"] == 4 and not record["evicted"]
+    assert uids(kube, namespace, "flaky") == before
+
+
+def test_spec_edits_replace_pods_without_spending_restarts(kube: client.ApiClient, namespace: str) -> None:
+    create_job(kube, namespace, rljob("edited", actors=2, maxRestarts=1))
+    wait_for(lambda: phase(get_job(kube, namespace, "edited")) == "Running", "RLJob edited to run")
+    for edit in range(3):
+        old = uids(kube, namespace, "edited")
+        patch_job(kube, namespace, "edited", {"spec": {"actors": {"image": f"lockstep/actor:edit-{edit}"}}})
+
+        def replaced(old: dict[str, str] = old) -> bool:
+            now = uids(kube, namespace, "edited")
+            actors = [n for n in now if "actor" in n]
+            job = get_job(kube, namespace, "edited")
+            fresh = len(actors) == 2 and all(now[n] != old.get(n) for n in actors)
+            return fresh and phase(job) == "Running" and condition(job, "Ready")["status"] == "True"
+
+        wait_for(replaced, f"edit {edit + 1}'s actors to run", timeout=90)
+    status = get_job(kube, namespace, "edited")["status"]
+    assert status["restarts"] == 0 and status["replacements"] == 6, status
+    assert not status.get("replacing")
+
+
+def test_a_job_without_actors_is_refused(kube: client.ApiClient, namespace: str) -> None:
+    body = rljob("empty", actors=1)
+    body["spec"]["actors"]["replicas"] = 0
+    with pytest.raises(client.ApiException) as refused:
+        create_job(kube, namespace, body)
+    message = json.loads(refused.value.body)["message"]
+    assert "spec.actors.replicas in body should be greater than or equal to 1" in message
+
+
+@pytest.fixture
+def two_namespaces(kube: client.ApiClient) -> Iterator[tuple[str, str]]:
+    """Namespaces whose jobs the API server lists in this order (a-..., then b-...)."""
+    core = client.CoreV1Api(kube)
+    suffix = uuid.uuid4().hex[:6]
+    names = (f"a-poison-{suffix}", f"b-victim-{suffix}")
+    for name in names:
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    yield names
+    for name in names:
+        core.delete_namespace(name)
+
+
+def test_one_bad_job_never_keeps_a_policy_change_from_the_others(
+    kube: client.ApiClient, two_namespaces: tuple[str, str]
+) -> None:
+    poison_ns, victim_ns = two_namespaces
+    custom = client.CustomObjectsApi(kube)
+    name = f"lockdown-{uuid.uuid4().hex[:6]}"
+    custom.create_cluster_custom_object(*POLICIES, parity_policy(name))
+    try:
+        poison = rljob("poison", actors=1, parityPolicy=name)
+        poison["spec"]["actors"]["tolerations"] = UNTOLERABLE
+        create_job(kube, poison_ns, poison)
+        create_job(kube, victim_ns, rljob("victim", actors=1, parityPolicy=name, vllm={"seed": 1}))
+        wait_for(lambda: phase(get_job(kube, victim_ns, "victim")) == "Running", "the victim to run")
+        wait_for(
+            lambda: condition(get_job(kube, poison_ns, "poison"), "Ready").get("reason") == "ChildRejected",
+            "the poison job to say what the API server refused",
+        )
+        custom.patch_cluster_custom_object(*POLICIES, name, {"spec": {"vllm": {"seed": 7}}})
+        wait_for(
+            lambda: (
+                condition(get_job(kube, victim_ns, "victim"), "ParityLocked").get("reason") == "ConflictsWithPolicy"
+            ),
+            "the victim to see the policy change (well before the 60 s resync)",
+            timeout=20,
+        )
+    finally:
+        custom.delete_cluster_custom_object(*POLICIES, name)
+
+
+def test_what_the_api_server_refuses_to_create_is_a_condition_and_an_event(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    body = rljob("intolerant", actors=1)
+    body["spec"]["actors"]["tolerations"] = UNTOLERABLE
+    create_job(kube, namespace, body)
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "intolerant"), "Ready").get("reason") == "ChildRejected",
+        "the ChildRejected condition",
+    )
+    job = get_job(kube, namespace, "intolerant")
+    ready = condition(job, "Ready")
+    assert ready["status"] == "False" and "Pod intolerant-actor-0" in ready["message"]
+    assert "spec.tolerations[0].operator" in ready["message"] and "fix the RLJob's spec" in ready["message"]
+    assert condition(job, "Stalled")["status"] == "True"
+    assert any(e.reason == "ChildRejected" and e.type == "Warning" for e in events_for(kube, namespace, "intolerant"))
+    assert "intolerant-actor-0" not in uids(kube, namespace, "intolerant")
+
+    patch_job(kube, namespace, "intolerant", {"spec": {"actors": {"tolerations": [{"operator": "Exists"}]}}})
+    wait_for(lambda: phase(get_job(kube, namespace, "intolerant")) == "Running", "the fixed job to run")
+
+
+def test_deleted_children_come_back_while_the_operator_runs(kube: client.ApiClient, namespace: str) -> None:
+    actors = running_job(kube, namespace, "pruned", 1)
+    core, rbac = client.CoreV1Api(kube), client.RbacAuthorizationV1Api(kube)
+    networking = client.NetworkingV1Api(kube)
+    core.delete_namespaced_config_map("pruned-config", namespace)
+    core.delete_namespaced_service("pruned-actors", namespace)
+    rbac.delete_namespaced_role("pruned-worker", namespace)
+    networking.delete_namespaced_network_policy("pruned-isolation", namespace)
+
+    def back(read: Any, name: str) -> bool:
+        try:
+            return read(name, namespace).metadata.deletion_timestamp is None
+        except client.ApiException as error:
+            assert error.status == 404
+            return False
+
+    for read, name in (
+        (core.read_namespaced_service, "pruned-actors"),
+        (rbac.read_namespaced_role, "pruned-worker"),
+        (networking.read_namespaced_network_policy, "pruned-isolation"),
+    ):
+        wait_for(lambda read=read, name=name: back(read, name), f"{name} to be re-created", timeout=15)
+    push_weights(kube, namespace, "pruned", actors, 1)  # the pods may write their acks again
+    # A new pod needs the ConfigMap: it is applied again before any pod is created.
+    core.delete_namespaced_pod(actors[0], namespace)
+    wait_for(lambda: back(core.read_namespaced_config_map, "pruned-config"), "the ConfigMap before the new pod")
+
+
+def test_an_open_barrier_ends_by_its_deadline_while_no_policy_resolves(kube: client.ApiClient, namespace: str) -> None:
+    custom = client.CustomObjectsApi(kube)
+    name = f"fleeting-{uuid.uuid4().hex[:6]}"
+    custom.create_cluster_custom_object(*POLICIES, parity_policy(name))
+    body = rljob("orphaned", actors=2, parityPolicy=name, weightSync={"barrierTimeoutSeconds": 5})
+    create_job(kube, namespace, body)
+    wait_for(lambda: phase(get_job(kube, namespace, "orphaned")) == "Running", "RLJob orphaned to run")
+    announce_weights(kube, namespace, "orphaned", 1)
+    wait_for(lambda: barrier_of(kube, namespace, "orphaned").get("phase") == "Update", "the barrier to open")
+    custom.delete_cluster_custom_object(*POLICIES, name)
+    wait_for(lambda: phase(get_job(kube, namespace, "orphaned")) == "Failed", "the barrier's deadline", timeout=30)
+    job = get_job(kube, namespace, "orphaned")
+    assert condition(job, "ParityLocked")["reason"] == "PolicyNotFound"
+    assert condition(job, "Ready")["reason"] == "WeightUpdateFailed"
+    wait_for(lambda: not uids(kube, namespace, "orphaned"), "no actor left paused: the pods are deleted")
+
+
+def test_announcements_older_than_committed_or_from_elsewhere_are_refused_once(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    actors = running_job(kube, namespace, "rewound", 1)
+    push_weights(kube, namespace, "rewound", actors, 3)
+    announce_weights(kube, namespace, "rewound", 2)
+
+    def refusals() -> list[str]:
+        return [e.message for e in events_for(kube, namespace, "rewound") if e.reason == "InvalidWeightsAnnouncement"]
+
+    wait_for(lambda: len(refusals()) == 1, "an Event for the rewound announcement")
+    assert "older than the committed version 3" in refusals()[0]  # the only one so far
+    patch_job(kube, namespace, "rewound", {"metadata": {"labels": {"touched": "yes"}}})  # more passes
+    wait_for(lambda: get_job(kube, namespace, "rewound")["status"].get("refusedAnnouncement"), "the status to say so")
+    status = get_job(kube, namespace, "rewound")["status"]
+    assert status.get("lag") is None or status["lag"] >= 0, "never a negative lag"
+    assert len(refusals()) == 1, "reported once, not on every pass"
+
+    evil = {
+        "protocol": PROTOCOL,
+        "version": 4,
+        "uri": "file:///var/lib/lockstep/evil.safetensors",
+        "digest": "sha256:4",
+    }
+    trainer = "rewound-trainer-0"
+    client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
+        trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(evil)}}}
+    )
+    wait_for(lambda: len(refusals()) == 2, "an Event for weights outside the job's directory")
+    assert any("outside the job's own directory" in message for message in refusals())
+    assert not barrier_of(kube, namespace, "rewound") and weights_version(kube, namespace, "rewound") == 3
+
+
+def test_each_job_is_isolated_by_its_own_network_policy(kube: client.ApiClient, namespace: str) -> None:
+    running_job(kube, namespace, "left", 1)
+    running_job(kube, namespace, "right", 1)
+    networking, core = client.NetworkingV1Api(kube), client.CoreV1Api(kube)
+
+    def selected(selector: client.V1LabelSelector) -> set[str]:
+        labels = ",".join(f"{k}={v}" for k, v in selector.match_labels.items())
+        return {p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector=labels).items}
+
+    isolation = networking.read_namespaced_network_policy("left-isolation", namespace)
+    left = {"left-actor-0", "left-trainer-0"}
+    assert selected(isolation.spec.pod_selector) == left, "it applies to the job's own pods"
+    assert isolation.spec.policy_types == ["Ingress"]
+    [own] = isolation.spec.ingress
+    assert own.ports is None, "every port: gloo and NCCL pick ephemeral ones"
+    assert selected(own._from[0].pod_selector) == left, "and admits only them, not the other job's pods"
+
+    patch_job(kube, namespace, "left", {"spec": {"networkPolicy": {"enabled": False}}})
+
+    def removed() -> bool:
+        return not networking.list_namespaced_network_policy(namespace, label_selector=f"{keys.JOB}=left").items
+
+    wait_for(removed, "the policy to go when the job turns it off")
+    assert networking.read_namespaced_network_policy("right-isolation", namespace)

@@ -1,0 +1,211 @@
+"""RLJobs queued, admitted as one gang, and preempted by Kueue's real controller manager (built from
+sigs.k8s.io/kueue, lockstep_e2e.kueue), on a control plane of their own; the operator runs with --kueue and the RBAC
+the chart grants with kueue.enabled=true."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from lockstep import keys, kueue
+from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.fixtures import fresh_namespace, push_weights, wait_for
+from lockstep_e2e.install import install, start_operator
+from lockstep_e2e.jobs import condition, create_job, get_job, job_pods, patch_job, phase, rljob
+from lockstep_e2e.kueue import start_kueue
+
+pytestmark = pytest.mark.cluster
+
+FLAVOR_LABELS = {"type": "kwok"}
+"""The flavor's node labels: every kwok node has them, so the admitted pods still schedule."""
+FLAVOR_TOLERATION = {"key": "lockstep.dev/e2e-reserved", "operator": "Exists", "effect": "NoSchedule"}
+POD_CPU = 1
+"""Each pod of a job (2 actors and 1 trainer) requests one CPU: a queue with 3 CPUs holds one job."""
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.ApiClient]:
+    """An admin client of a control plane with Lockstep installed, Kueue running, and the operator run with
+    --kueue; one ResourceFlavor."""
+    workdir = tmp_path_factory.mktemp("kueue")
+    with LocalCluster(workdir / "cluster") as cluster:
+        api = cluster.api_client()
+        install(api)
+        controller = start_kueue(cluster, api, workdir / "kueue")
+        operator = start_operator(
+            cluster,
+            workdir / "operator.log",
+            "--kueue",
+            "--restart-backoff-seconds=1",
+            chart_values=("kueue.enabled=true",),
+        )
+        flavor = {"nodeLabels": FLAVOR_LABELS, "tolerations": [FLAVOR_TOLERATION]}
+        _create(api, "resourceflavors", {"metadata": {"name": "e2e-flavor"}, "spec": flavor})
+        try:
+            yield api
+        finally:
+            operator.stop()
+            controller.stop()
+
+
+@pytest.fixture
+def namespace(kube: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    with fresh_namespace(kube, request.node.name) as name:
+        yield name
+
+
+def _create(api: client.ApiClient, plural: str, body: dict[str, Any], namespace: str | None = None) -> None:
+    custom = client.CustomObjectsApi(api)
+    body = {"apiVersion": kueue.API_VERSION, "kind": _KINDS[plural], **body}
+    if namespace is None:
+        custom.create_cluster_custom_object(kueue.GROUP, kueue.VERSION, plural, body)
+    else:
+        custom.create_namespaced_custom_object(kueue.GROUP, kueue.VERSION, namespace, plural, body)
+
+
+_KINDS = {
+    "resourceflavors": "ResourceFlavor",
+    "clusterqueues": "ClusterQueue",
+    "localqueues": "LocalQueue",
+    "workloadpriorityclasses": "WorkloadPriorityClass",
+}
+
+
+def queue_for_one_job(kube: client.ApiClient, namespace: str) -> str:
+    """A ClusterQueue with quota for one job (preempting lower priorities within it), and a LocalQueue for
+    ``namespace``; the LocalQueue's name."""
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    quota = [{"name": "cpu", "nominalQuota": 3 * POD_CPU}, {"name": "memory", "nominalQuota": "3Gi"}]
+    spec = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "resourceGroups": [
+            {"coveredResources": ["cpu", "memory"], "flavors": [{"name": "e2e-flavor", "resources": quota}]}
+        ],
+        "preemption": {"withinClusterQueue": "LowerPriority"},
+    }
+    _create(kube, "clusterqueues", {"metadata": {"name": name}, "spec": spec})
+    _create(kube, "localqueues", {"metadata": {"name": name}, "spec": {"clusterQueue": name}}, namespace)
+    return name
+
+
+def queued_job(kube: client.ApiClient, namespace: str, name: str, queue: str, priority: str | None = None) -> None:
+    job = rljob(name, actors=2)
+    resources = {"requests": {"cpu": str(POD_CPU), "memory": "1Gi"}}
+    job["spec"]["actors"]["resources"] = resources
+    job["spec"]["trainer"]["resources"] = resources
+    job["metadata"]["labels"] = {kueue.QUEUE_LABEL: queue, **({kueue.PRIORITY_LABEL: priority} if priority else {})}
+    create_job(kube, namespace, job)
+
+
+def wait_phase(kube: client.ApiClient, namespace: str, name: str, wanted: str, timeout: float = 60) -> dict[str, Any]:
+    wait_for(lambda: phase(get_job(kube, namespace, name)) == wanted, f"RLJob {name} to be {wanted}", timeout)
+    return get_job(kube, namespace, name)
+
+
+def complete(kube: client.ApiClient, namespace: str, name: str) -> None:
+    """The trainer finishes (kwok leaves a Succeeded pod as it is); the job succeeds."""
+    client.CoreV1Api(kube).patch_namespaced_pod_status(
+        f"{name}-trainer-0", namespace, {"status": {"phase": "Succeeded"}}
+    )
+    wait_phase(kube, namespace, name, "Succeeded")
+
+
+def workload(kube: client.ApiClient, namespace: str, job: str) -> dict[str, Any]:
+    name = get_job(kube, namespace, job)["status"]["queue"]["workload"]
+    found: dict[str, Any] = client.CustomObjectsApi(kube).get_namespaced_custom_object(
+        kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name
+    )
+    return found
+
+
+def test_jobs_wait_in_their_queue_for_quota_and_run_as_one_gang(kube: client.ApiClient, namespace: str) -> None:
+    queue = queue_for_one_job(kube, namespace)
+    queued_job(kube, namespace, "first", queue)
+    first = wait_phase(kube, namespace, "first", "Running")
+    assert first["status"]["queue"]["localQueue"] == queue
+    assert first["status"]["queue"]["clusterQueue"] == queue
+    assert condition(first, "Queued")["status"] == "False"
+    assert condition(first, "Queued")["reason"] == "Admitted"
+    pods = job_pods(kube, namespace, "first")
+    assert len(pods) == 3
+    for pod in pods:  # the admitted flavor's node labels and tolerations
+        assert pod.spec.node_selector == FLAVOR_LABELS, pod.metadata.name
+        assert any(t.key == FLAVOR_TOLERATION["key"] for t in pod.spec.tolerations or []), pod.metadata.name
+    # One gang: a pod set per role, with the pods' real requests.
+    sets = {s["name"]: s for s in workload(kube, namespace, "first")["spec"]["podSets"]}
+    assert {name: s["count"] for name, s in sets.items()} == {keys.ACTOR: 2, keys.TRAINER: 1}
+    requests = sets[keys.ACTOR]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests["cpu"] == str(POD_CPU)
+
+    queued_job(kube, namespace, "second", queue)
+    second = wait_phase(kube, namespace, "second", "Queued")
+    waiting = condition(second, "Queued")
+    assert waiting["status"] == "True"
+    assert waiting["reason"], "Kueue's reason"
+    assert f"waiting in LocalQueue {queue}" in waiting["message"]
+    assert condition(second, "Ready")["reason"] == "Queued"
+    assert not job_pods(kube, namespace, "second"), "a queued job holds no pods"
+
+    complete(kube, namespace, "first")
+    finished = {c["type"]: c for c in workload(kube, namespace, "first")["status"]["conditions"]}
+    assert finished[kueue.FINISHED]["status"] == "True"
+    wait_phase(kube, namespace, "second", "Running")
+    assert len(job_pods(kube, namespace, "second")) == 3
+
+
+def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_weights(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    queue = queue_for_one_job(kube, namespace)
+    low, high = f"low-{namespace}", f"high-{namespace}"
+    for name, value in ((low, 10), (high, 1000)):
+        _create(kube, "workloadpriorityclasses", {"metadata": {"name": name}, "value": value})
+    queued_job(kube, namespace, "background", queue, priority=low)
+    wait_phase(kube, namespace, "background", "Running")
+    assert workload(kube, namespace, "background")["spec"]["priority"] == 10
+    push_weights(kube, namespace, "background", ["background-actor-0", "background-actor-1"], 1)
+    before = get_job(kube, namespace, "background")["status"]
+
+    queued_job(kube, namespace, "urgent", queue, priority=high)
+    preempted = wait_phase(kube, namespace, "background", "Queued")
+    assert condition(preempted, "Queued")["reason"] == "Preempted"
+    wait_phase(kube, namespace, "urgent", "Running")
+    wait_for(lambda: not job_pods(kube, namespace, "background"), "the preempted job's pods to be deleted")
+    kept = get_job(kube, namespace, "background")["status"]
+    assert kept["weightsVersion"] == 1, "the committed weights are kept"
+    assert kept["restarts"] == 0, "a preemption is not a failure"
+    assert kept["replacements"] == before["replacements"]
+
+    complete(kube, namespace, "urgent")
+    wait_phase(kube, namespace, "background", "Running")
+    resumed = get_job(kube, namespace, "background")["status"]
+    assert resumed["restarts"] == 0
+    for pod in job_pods(kube, namespace, "background"):
+        assert '"version":1' in pod.metadata.annotations[keys.INITIAL_WEIGHTS].replace(" ", ""), pod.metadata.name
+    complete(kube, namespace, "background")
+
+
+def test_a_person_suspends_a_queued_job_by_hand_and_its_quota_goes_to_the_next(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    queue = queue_for_one_job(kube, namespace)
+    queued_job(kube, namespace, "paused", queue)
+    wait_phase(kube, namespace, "paused", "Running")
+    queued_job(kube, namespace, "next", queue)
+    wait_phase(kube, namespace, "next", "Queued")
+
+    patch_job(kube, namespace, "paused", {"spec": {"suspend": True}})
+    suspended = wait_phase(kube, namespace, "paused", "Suspended")
+    assert condition(suspended, "Ready")["reason"] == "Suspended"
+    assert workload(kube, namespace, "paused")["spec"]["active"] is False
+    wait_phase(kube, namespace, "next", "Running")
+    assert not job_pods(kube, namespace, "paused")
+
+    patch_job(kube, namespace, "paused", {"spec": {"suspend": False}})
+    wait_phase(kube, namespace, "paused", "Queued")
+    complete(kube, namespace, "next")
+    wait_phase(kube, namespace, "paused", "Running")

@@ -1,0 +1,255 @@
+"""Who may change what on Lockstep's pods (crds/admission-barrier.yaml; docs/barrier-protocol.md, "Who may write
+what"), attacked with the identities a real cluster hands out: service-account tokens bound to pods, the
+cluster admin's client certificate, and impersonation of the break-glass group."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lockstep import admission, keys
+from lockstep.protocol import PROTOCOL
+from lockstep_e2e.fixtures import fresh_namespace, running_job, wait_for
+from lockstep_e2e.install import apply, pod_client, read_pod, service_account_token, token_client
+from lockstep_e2e.jobs import announce_weights, get_job
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
+
+RBAC = "rbac.authorization.k8s.io"
+OWN_KEYS = ", ".join(admission.POD_KEYS)
+
+
+def refused(call: Callable[[], Any]) -> str:
+    """Run ``call``, which the barrier policy must refuse with 403 Forbidden; the rule it names."""
+    with pytest.raises(ApiException) as error:
+        call()
+    status = json.loads(error.value.body)
+    assert (error.value.status, status["reason"]) == (403, "Forbidden"), error.value.body
+    prefix = f"ValidatingAdmissionPolicy '{admission.BARRIER_POLICY}' with binding '{admission.BARRIER_POLICY}' "
+    assert prefix + "denied request: " in status["message"], status["message"]
+    message: str = status["message"]
+    return message[message.index("denied request: ") + len("denied request: ") :]
+
+
+def annotate(core: client.CoreV1Api, namespace: str, pod: str, values: dict[str, str | None]) -> Callable[[], Any]:
+    """A call that sets (or, for ``None``, removes) annotations on a pod, as ``kubectl annotate`` does."""
+    return lambda: core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": values}})
+
+
+def pod_rbac(namespace: str, subject: dict[str, str], verbs: list[str]) -> list[dict[str, Any]]:
+    """A Role granting ``verbs`` on every pod of ``namespace`` to ``subject``, and its binding."""
+    name = f"e2e-{subject['name']}"
+    return [
+        {
+            "apiVersion": f"{RBAC}/v1",
+            "kind": "Role",
+            "metadata": {"name": name, "namespace": namespace},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": verbs}],
+        },
+        {
+            "apiVersion": f"{RBAC}/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": name, "namespace": namespace},
+            "roleRef": {"apiGroup": RBAC, "kind": "Role", "name": name},
+            "subjects": [subject],
+        },
+    ]
+
+
+def annotations(api: client.ApiClient, namespace: str, pod: str) -> dict[str, str]:
+    found: dict[str, str] = read_pod(api, namespace, pod)["metadata"].get("annotations") or {}
+    return found
+
+
+def bare_pod(name: str, service_account: str = "default", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {"serviceAccountName": service_account, "containers": [{"name": "main", "image": "busybox"}]},
+    }
+
+
+def test_a_pod_token_may_change_only_its_own_annotations_on_itself(kube: client.ApiClient, namespace: str) -> None:
+    """Issue item 7: the worker Role lets a pod patch every pod of its job; admission narrows that to its own
+    four annotations on itself."""
+    actor = running_job(kube, namespace, "fj1", 1)[0]
+    trainer = "fj1-trainer-0"
+    as_actor = client.CoreV1Api(pod_client(kube, namespace, actor))
+    worker = f"system:serviceaccount:{namespace}:fj1-worker"
+    body = read_pod(kube, namespace, trainer)
+    container, image = body["spec"]["containers"][0]["name"], body["spec"]["containers"][0]["image"]
+
+    def patch(pod: str, patch: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: as_actor.patch_namespaced_pod(pod, namespace, patch)
+
+    evil = {"spec": {"containers": [{"name": container, "image": "attacker/evil:latest"}]}}
+    uid = read_pod(kube, namespace, actor)["metadata"]["uid"]
+    for attack in (evil, {"spec": {"activeDeadlineSeconds": 1}}, {"metadata": {"labels": {"touched": "yes"}}}):
+        assert refused(patch(trainer, attack)) == (
+            "a service-account token bound to a pod may only update that pod itself, not UPDATE pod "
+            f"{namespace}/{trainer}: {worker} for pod {actor} (uid {uid})"
+        )
+
+    def own(change: str) -> str:
+        return f"pod {namespace}/{actor} may change only its own annotations ({OWN_KEYS}) with its token, not {change}"
+
+    actor_container = read_pod(kube, namespace, actor)["spec"]["containers"][0]["name"]
+    attacks = {
+        "spec": {"spec": {"containers": [{"name": actor_container, "image": "attacker/evil:latest"}]}},
+        f"metadata.annotations[{keys.CONFIG_FINGERPRINT}]": {
+            "metadata": {"annotations": {keys.CONFIG_FINGERPRINT: "sha256:forged"}}
+        },
+        f"metadata.labels[{keys.MANAGED_BY}]": {"metadata": {"labels": {keys.MANAGED_BY: "someone-else"}}},
+        "metadata.finalizers": {"metadata": {"finalizers": ["attacker.example/keep"]}},
+    }
+    for change, attack in attacks.items():
+        assert refused(patch(actor, attack)) == own(change)
+    # Removing the label that makes the pod Lockstep's does not take it out of the policy's reach.
+    unlabel = {"metadata": {"labels": {keys.MANAGED_BY: None}, "annotations": {keys.CONFIG_FINGERPRINT: "x"}}}
+    assert refused(patch(actor, unlabel)) == own(
+        f"metadata.labels[{keys.MANAGED_BY}], metadata.annotations[{keys.CONFIG_FINGERPRINT}]"
+    )
+
+    ack = json.dumps({"protocol": PROTOCOL, "id": "e2e/1/1", "phase": "Paused"})
+    annotate(as_actor, namespace, actor, {keys.BARRIER_ACK: ack})()  # its own key on itself: allowed
+    assert read_pod(kube, namespace, trainer)["spec"]["containers"][0]["image"] == image
+    assert "activeDeadlineSeconds" not in read_pod(kube, namespace, trainer)["spec"]
+    assert read_pod(kube, namespace, actor)["metadata"]["labels"][keys.MANAGED_BY] == keys.MANAGER
+
+
+def test_a_pod_token_may_not_create_or_delete_lockstep_pods_whatever_rbac_grants(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue item 7, CREATE and DELETE: the worker Role grants neither, and admission refuses them anyway."""
+    actor = running_job(kube, namespace, "fj3", 1)[0]
+    subject = {"kind": "ServiceAccount", "name": "fj3-worker", "namespace": namespace}
+    apply(kube, pod_rbac(namespace, subject, ["create", "delete"]))
+    as_actor = client.CoreV1Api(pod_client(kube, namespace, actor))
+    rule = "a service-account token bound to a pod may only update that pod itself, not"
+    token = f"system:serviceaccount:{namespace}:fj3-worker for pod {actor}"
+
+    message = refused(lambda: as_actor.delete_namespaced_pod("fj3-trainer-0", namespace))
+    assert message.startswith(f"{rule} DELETE pod {namespace}/fj3-trainer-0: {token} (uid "), message
+    message = refused(lambda: as_actor.delete_namespaced_pod(actor, namespace))
+    assert message.startswith(f"{rule} DELETE pod {namespace}/{actor}: {token} (uid "), message
+    impostor = bare_pod("fj3-actor-9", "fj3-worker", {keys.MANAGED_BY: keys.MANAGER, keys.JOB: "fj3"})
+    message = refused(lambda: as_actor.create_namespaced_pod(namespace, impostor))
+    assert message.startswith(f"{rule} CREATE pod {namespace}/fj3-actor-9: {token} (uid "), message
+    assert read_pod(kube, namespace, "fj3-trainer-0")["metadata"].get("deletionTimestamp") is None
+
+
+def test_a_token_is_a_pod_own_only_with_its_namespace_name_and_uid(kube: client.ApiClient, namespace: str) -> None:
+    """Issue item 8: a pod of the same name in another namespace, granted patch here by a careless RoleBinding,
+    may not write the trainer's weights."""
+    running_job(kube, namespace, "fj2", 1)
+    trainer = "fj2-trainer-0"
+    weights = json.dumps(
+        {"protocol": PROTOCOL, "version": 9, "uri": "http://attacker.example/v9", "digest": "sha256:0"}
+    )
+    with fresh_namespace(kube, "spoofer") as other:
+        core = client.CoreV1Api(kube)
+        core.create_namespaced_service_account(other, {"metadata": {"name": "spoofer"}})
+        spoofer = core.create_namespaced_pod(other, bare_pod(trainer, "spoofer"))
+        subject = {"kind": "ServiceAccount", "name": "spoofer", "namespace": other}
+        apply(kube, pod_rbac(namespace, subject, ["get", "patch"]))
+        body = read_pod(kube, other, trainer)
+        as_spoofer = client.CoreV1Api(
+            token_client(kube, service_account_token(kube, other, "spoofer", pod=body, seconds=600))
+        )
+        assert refused(annotate(as_spoofer, namespace, trainer, {keys.WEIGHTS: weights})) == (
+            f"{keys.WEIGHTS} on pod {trainer} may be written only by that pod itself (a service-account token bound "
+            f"to it), not by system:serviceaccount:{other}:spoofer for pod {trainer} (uid {spoofer.metadata.uid}); "
+            "a token is bound to a pod when its namespace, pod name and pod UID all match the pod"
+        )
+    assert keys.WEIGHTS not in annotations(kube, namespace, trainer)
+
+
+def impersonating(api: client.ApiClient, user: str, group: str | None = None) -> client.ApiClient:
+    """The admin's client, acting as ``user`` (in ``group``): ``kubectl --as=user --as-group=group``."""
+    impersonated = client.ApiClient(api.configuration)
+    impersonated.set_default_header("Impersonate-User", user)
+    if group:
+        impersonated.set_default_header("Impersonate-Group", group)
+    return impersonated
+
+
+def test_the_policy_covers_only_lockstep_pods_and_break_glass_repairs_them(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue item 10: scoped to pods labelled as Lockstep's (before or after the request), a clear refusal for
+    an identity without ``extra``, and a break-glass group that may repair a pod by hand."""
+    admin = client.CoreV1Api(kube)
+    command = json.dumps({"protocol": PROTOCOL, "id": "hand/1/1", "phase": "Pause"})
+    with fresh_namespace(kube, "bystander") as other:
+        # Not Lockstep's pod: the policy is not involved, whatever the annotations.
+        admin.create_namespaced_pod(other, bare_pod("bystander"))
+        annotate(admin, other, "bystander", {keys.BARRIER: command})()
+        # ... until the pod is made Lockstep's, which only the operator may do.
+        label = {"metadata": {"labels": {keys.MANAGED_BY: keys.MANAGER}}}
+        assert refused(lambda: admin.patch_namespaced_pod("bystander", other, label)) == (
+            f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {other}/bystander) marks a pod as managed by "
+            f"Lockstep: only the Lockstep operator ({keys.OPERATOR_USERNAME}) sets or removes it, or a member of group "
+            f"{keys.BREAK_GLASS_GROUP}, not lockstep-admin"
+        )
+
+    actor = running_job(kube, namespace, "glass", 1)[0]
+    announce_weights(kube, namespace, "glass", 1)
+    # The operator writes the commands, then the status that records the barrier: wait for both.
+    wait_for(lambda: keys.BARRIER in annotations(kube, namespace, actor), "the Update command")
+    wait_for(
+        lambda: (get_job(kube, namespace, "glass")["status"].get("barrier") or {}).get("phase") == "Update",
+        "the barrier in the job's status",
+    )
+    # The admin (a client certificate: no userInfo.extra) gets the rule, not a CEL error.
+    assert refused(annotate(admin, namespace, actor, {keys.BARRIER: None})).startswith(
+        f"{keys.BARRIER} may be written only by the Lockstep operator ({keys.OPERATOR_USERNAME}), or by a member of "
+        f"group {keys.BREAK_GLASS_GROUP}, not by lockstep-admin"
+    )
+    ack = json.dumps({"protocol": PROTOCOL, "id": "hand/1/1", "phase": "Paused"})
+    assert refused(annotate(admin, namespace, actor, {keys.BARRIER_ACK: ack})) == (
+        f"{keys.BARRIER_ACK} on pod {actor} may be written only by that pod itself (a service-account token bound "
+        "to it), not by lockstep-admin; a token is bound to a pod when its namespace, pod name and pod UID all match "
+        "the pod"
+    )
+    unlabel = {"metadata": {"labels": {keys.MANAGED_BY: None}}}
+    assert refused(lambda: admin.patch_namespaced_pod(actor, namespace, unlabel)).startswith(
+        f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/{actor}) marks a pod as managed by Lockstep"
+    )
+    # Everything else on the pod is RBAC's business.
+    admin.patch_namespaced_pod(actor, namespace, {"metadata": {"labels": {"team": "e2e"}}})
+
+    # Break glass: whoever may act in the group may repair the pod by hand.
+    group = {"kind": "Group", "name": keys.BREAK_GLASS_GROUP, "apiGroup": RBAC}
+    apply(kube, pod_rbac(namespace, group, ["get", "patch"]))
+    repair = client.CoreV1Api(impersonating(kube, "alice", keys.BREAK_GLASS_GROUP))
+    annotate(repair, namespace, actor, {keys.BARRIER: None, keys.BARRIER_ACK: ack})()
+    assert annotations(kube, namespace, actor).get(keys.BARRIER_ACK) == ack
+    # Without the group, the same user is refused like anyone else.
+    alice = client.CoreV1Api(impersonating(kube, "alice"))
+    apply(kube, pod_rbac(namespace, {"kind": "User", "name": "alice", "apiGroup": RBAC}, ["get", "patch"]))
+    assert "not by alice" in refused(annotate(alice, namespace, actor, {keys.BARRIER_ACK: None}))
+
+
+def test_the_trainers_identity_finds_the_actors_in_their_endpoint_slices_and_no_further(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """What the trainer's rollout client watches, read with its own pod-bound token: every actor pod's address on
+    the actor port, ready as the pod is; EndpointSlices of other namespaces stay closed to it."""
+    from lockstep.desired import ACTOR_PORT, actor_service_name
+    from lockstep_workers.rollouts import EndpointSlices
+
+    actors = running_job(kube, namespace, "finder", 2)
+    trainer = pod_client(kube, namespace, "finder-trainer-0")
+    core = client.CoreV1Api(kube)
+    addresses = {f"http://{core.read_namespaced_pod(pod, namespace).status.pod_ip}:{ACTOR_PORT}" for pod in actors}
+    found = EndpointSlices(namespace, actor_service_name("finder"), trainer)
+    wait_for(lambda: dict(found.endpoints()) == dict.fromkeys(addresses, True), f"the actors at {addresses}")
+    with pytest.raises(ApiException) as forbidden:
+        client.DiscoveryV1Api(trainer).list_namespaced_endpoint_slice("default")
+    assert forbidden.value.status == 403
