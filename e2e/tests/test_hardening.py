@@ -17,7 +17,7 @@ from lockstep import api, keys
 from lockstep.protocol import PROTOCOL
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.fixtures import push_weights, running_job, wait_for, weights_version
-from lockstep_e2e.install import pod_client
+from lockstep_e2e.install import pod_client, service_account_token, token_client
 from lockstep_e2e.jobs import (
     POLICIES,
     announce_weights,
@@ -159,6 +159,33 @@ def test_one_bad_job_never_keeps_a_policy_change_from_the_others(
         )
     finally:
         custom.delete_cluster_custom_object(*POLICIES, name)
+
+
+def test_a_pass_that_raises_for_one_job_leaves_the_next_job_its_pass(
+    kube: client.ApiClient, two_namespaces: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """request_all (the resync, and every policy change) gives each job a pass of its own: a pass that raises, for
+    a fault no check foresaw, is logged with the job's name, and the jobs listed after it still get theirs. The
+    shell runs as the operator's service account; its passes only record and fail, so the running operator keeps
+    the jobs."""
+    from lockstep.controller import JobKey, Shell
+
+    first, second = two_namespaces
+    create_job(kube, first, rljob("poison", actors=1))
+    create_job(kube, second, rljob("victim", actors=1))
+    passes: list[JobKey] = []
+
+    class UnluckyShell(Shell):
+        def _reconcile_once(self, key: JobKey) -> None:
+            passes.append(key)
+            if key == (first, "poison"):
+                raise RuntimeError("a fault no check foresaw")
+
+    token = service_account_token(kube, keys.OPERATOR_NAMESPACE, keys.OPERATOR_SERVICE_ACCOUNT, seconds=600)
+    with caplog.at_level("ERROR", logger="lockstep.controller"):
+        UnluckyShell(token_client(kube, token)).request_all()
+    assert passes.index((first, "poison")) < passes.index((second, "victim")), "the API server lists a- before b-"
+    assert f"reconciling RLJob {first}/poison failed" in caplog.text
 
 
 def test_what_the_api_server_refuses_to_create_is_a_condition_and_an_event(
