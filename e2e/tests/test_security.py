@@ -249,7 +249,10 @@ def test_the_trainers_identity_finds_the_actors_in_their_endpoint_slices_and_no_
     core = client.CoreV1Api(kube)
     addresses = {f"http://{core.read_namespaced_pod(pod, namespace).status.pod_ip}:{ACTOR_PORT}" for pod in actors}
     found = EndpointSlices(namespace, actor_service_name("finder"), trainer)
-    wait_for(lambda: dict(found.endpoints()) == dict.fromkeys(addresses, True), f"the actors at {addresses}")
+    try:
+        wait_for(lambda: dict(found.endpoints()) == dict.fromkeys(addresses, True), f"the actors at {addresses}")
+    finally:
+        found.stop()
     with pytest.raises(ApiException) as forbidden:
         client.DiscoveryV1Api(trainer).list_namespaced_endpoint_slice("default")
     assert forbidden.value.status == 403

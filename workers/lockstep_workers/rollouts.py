@@ -129,7 +129,12 @@ class EndpointSlices:
         self.selector = f"{SERVICE_NAME_LABEL}={service}"
         self.slices: dict[str, dict[str, Any]] = {}
         """slice name -> the slice; replaced whole on every change, so that readers need no lock"""
+        self._stopped = threading.Event()
         threading.Thread(target=self._watch, name="actor-endpoints", daemon=True).start()
+
+    def stop(self) -> None:
+        """End the watch, quietly, at its next event or error (a trainer's process ends it by exiting)."""
+        self._stopped.set()
 
     def endpoints(self) -> Mapping[str, bool]:
         return actor_endpoints(self.slices.values())
@@ -143,7 +148,7 @@ class EndpointSlices:
             except config.ConfigException:
                 config.load_kube_config()
         api = client.DiscoveryV1Api(self.api)
-        while True:
+        while not self._stopped.is_set():
             try:
                 response: Any = api.list_namespaced_endpoint_slice(
                     self.namespace, label_selector=self.selector, _preload_content=False
@@ -157,6 +162,8 @@ class EndpointSlices:
                     resource_version=listed["metadata"]["resourceVersion"],
                     timeout_seconds=300,
                 ):
+                    if self._stopped.is_set():
+                        return
                     piece: dict[str, Any] = event["raw_object"]
                     name = piece["metadata"]["name"]
                     slices = {key: value for key, value in self.slices.items() if key != name}
@@ -164,8 +171,10 @@ class EndpointSlices:
                         slices[name] = piece
                     self.slices = slices
             except Exception as error:  # the watch outlives every API error; the log names it
+                if self._stopped.is_set():
+                    return
                 logger.warning("watching the actors' EndpointSlices (%s): %s; listing again", self.selector, error)
-                time.sleep(self.RETRY_SECONDS)
+                self._stopped.wait(self.RETRY_SECONDS)
 
 
 def describe(function: Any) -> str:
