@@ -203,7 +203,13 @@ def test_what_the_api_server_refuses_to_create_is_a_condition_and_an_event(
     assert ready["status"] == "False" and "Pod intolerant-actor-0" in ready["message"]
     assert "spec.tolerations[0].operator" in ready["message"] and "fix the RLJob's spec" in ready["message"]
     assert condition(job, "Stalled")["status"] == "True"
-    assert any(e.reason == "ChildRejected" and e.type == "Warning" for e in events_for(kube, namespace, "intolerant"))
+    wait_for(  # the Event is posted once the status write it describes succeeded, a moment after it
+        lambda: any(
+            e.reason == "ChildRejected" and e.type == "Warning" for e in events_for(kube, namespace, "intolerant")
+        ),
+        "the ChildRejected Warning Event",
+        timeout=10,
+    )
     assert "intolerant-actor-0" not in uids(kube, namespace, "intolerant")
 
     patch_job(kube, namespace, "intolerant", {"spec": {"actors": {"tolerations": [{"operator": "Exists"}]}}})

@@ -365,7 +365,9 @@ def test_a_trainer_of_two_ranks_resumes_its_checkpoint_with_one(
     )
     print(f"edited at v{edited['at']}; resumed (version, checkpoint): {resumed}")
     assert len(resumed) == 1 and int(resumed[0][0]) >= edited["at"], resumed
-    assert int(resumed[0][1]) == int(resumed[0][0]), "every step is checkpointed: the checkpoint holds the version"
+    # Every step is checkpointed after it is published: a trainer replaced between the two resumes the version's
+    # weights with the optimizer state of the step before.
+    assert int(resumed[0][0]) - 1 <= int(resumed[0][1]) <= int(resumed[0][0]), "the newest checkpoint at or before it"
     version = int(resumed[0][0])
     steps = [r["step"] for r in result.steps]
     assert [s for s in steps if s > version] == list(range(version + 1, 9)), f"the one rank ran on: {steps}"
