@@ -14,6 +14,7 @@ import pytest
 from kubernetes import client
 
 from lockstep import api, keys
+from lockstep.events import PassScope
 from lockstep.protocol import PROTOCOL
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.fixtures import push_weights, running_job, wait_for, weights_version
@@ -176,7 +177,7 @@ def test_a_pass_that_raises_for_one_job_leaves_the_next_job_its_pass(
     passes: list[JobKey] = []
 
     class UnluckyShell(Shell):
-        def _reconcile_once(self, key: JobKey) -> None:
+        def _reconcile_once(self, key: JobKey, scope: PassScope) -> None:
             passes.append(key)
             if key == (first, "poison"):
                 raise RuntimeError("a fault no check foresaw")

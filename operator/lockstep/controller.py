@@ -8,8 +8,8 @@ Every trigger (an RLJob event, an event of one of the operator's own pods, a Par
 change, a requeue) asks for a reconcile of one job. Requests for a job that is being
 reconciled are coalesced into one more pass, so a burst of pod events costs one pass, not
 hundreds. A pod event asks for a pass only when it changes what a pass reads, and an ack that
-answers an open barrier phase only when it is the last one that phase waits for
-(lockstep.events). The status is written as a merge patch of what changed, with the
+answers an open barrier phase only when it is the last one that phase waits for, for a pass of the
+barrier step alone (lockstep.events). The status is written as a merge patch of what changed, with the
 resourceVersion it was computed from (a conflict means another pass), and the pass's Events
 only after that write succeeded.
 """
@@ -34,7 +34,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lockstep import api, keys, kueue, leader, metrics
 from lockstep.api import RLJobStatus
-from lockstep.events import AckGate, AckVerdict, PodCache, needs_pass, revision
+from lockstep.events import AckGate, AckVerdict, PassScope, PodCache, pass_for, revision
 from lockstep.podwatch import PodWatch
 from lockstep.reconcile import KueueView, Observed, Plan, reconcile
 from lockstep.reconcile.context import annotation
@@ -71,7 +71,8 @@ class Shell:
         self.backoff_base_seconds = backoff_base_seconds
         self._guard = threading.Lock()
         self._running: set[JobKey] = set()
-        self._dirty: set[JobKey] = set()
+        self._dirty: dict[JobKey, PassScope] = {}
+        """Jobs asked for again while their pass ran: the scope of the pass that follows."""
         self._applied_children: dict[JobKey, str] = {}
         self._children_deleted: set[JobKey] = set()
         """Jobs one of whose children was deleted since their pass began applying them."""
@@ -86,35 +87,43 @@ class Shell:
         self._ack_order: dict[JobKey, dict[str, int]] = {}
         """When each member's ack last changed (a counter): the pass sees the members in that order."""
         self._ack_clock = itertools.count(1)
-        self._timers: dict[JobKey, threading.Timer] = {}
+        self._timers: dict[JobKey, tuple[float, threading.Timer]] = {}
+        """Each job's wake-up: when it is due (time.monotonic()), and its timer."""
         self._jobs: dict[JobKey, dict[str, Any]] = {}
         self._policies: dict[str, dict[str, Any]] | None = None
         self._namespaces: dict[str, dict[str, Any]] = {}
 
     # -- coalescing ----------------------------------------------------------------------
 
-    def request(self, namespace: str, name: str) -> None:
-        """Reconcile the job now, or once more right after the pass already running for it."""
+    def request(self, namespace: str, name: str, scope: PassScope = PassScope.FULL) -> None:
+        """Reconcile the job now, or once more right after the pass already running for it (one pass for all the
+        requests that came meanwhile, of the widest scope they asked for)."""
         key = (namespace, name)
         with self._guard:
             if key in self._running:
-                self._dirty.add(key)
+                self._ask_again(key, scope)
                 return
             self._running.add(key)
         try:
             while True:
                 with metrics.RECONCILE_SECONDS.time():
-                    self._reconcile_once(key)
+                    self._reconcile_once(key, scope)
                 with self._guard:
                     if key not in self._dirty:
                         return
-                    self._dirty.discard(key)
+                    scope = self._dirty.pop(key)
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
+            with self._guard:
+                self._gates.pop(key, None)  # what the failed pass wrote is unknown: the next pass is a whole one
             raise
         finally:
             with self._guard:
                 self._running.discard(key)
+
+    def _ask_again(self, key: JobKey, scope: PassScope = PassScope.FULL) -> None:
+        """One more pass for the job after the one running (called with the guard held)."""
+        self._dirty[key] = scope.join(self._dirty.get(key))
 
     def caused_by_own_write(self, namespace: str, name: str, resource_version: str | None) -> bool:
         """Whether an RLJob event only reports this operator's own status write (nothing new to act on)."""
@@ -134,13 +143,13 @@ class Shell:
             self._keep_job((namespace, name), job)  # newer than what is kept, if a watch event was missed
             self._request_logged(namespace, name)
 
-    def request_soon(self, namespace: str, name: str) -> None:
+    def request_soon(self, namespace: str, name: str, scope: PassScope = PassScope.FULL) -> None:
         """Reconcile the job on a pass thread (the caller goes on); a pass that fails is logged."""
-        self._passes.submit(self._request_logged, namespace, name)
+        self._passes.submit(self._request_logged, namespace, name, scope)
 
-    def _request_logged(self, namespace: str, name: str) -> None:
+    def _request_logged(self, namespace: str, name: str, scope: PassScope = PassScope.FULL) -> None:
         try:
-            self.request(namespace, name)
+            self.request(namespace, name, scope)
         except Exception:
             logger.exception("reconciling RLJob %s/%s failed; its next event or resync tries again", namespace, name)
 
@@ -177,9 +186,9 @@ class Shell:
             acked = after is not None and after.annotation(keys.BARRIER_ACK)
             if acked and (before is None or before.annotation(keys.BARRIER_ACK) != acked):
                 self._ack_order.setdefault(key, {})[name] = next(self._ack_clock)
-            wanted = needs_pass(before, after, self._gates.get(key), name)
-        if wanted:
-            self.request_soon(namespace, job)
+            scope = pass_for(before, after, self._gates.get(key), name)
+        if scope is not None:
+            self.request_soon(namespace, job, scope)
 
     def child_deleted(self, namespace: str, job: str) -> None:
         """One of the job's children was deleted: apply them all again now."""
@@ -190,8 +199,11 @@ class Shell:
 
     # -- one pass ------------------------------------------------------------------------
 
-    def _reconcile_once(self, key: JobKey) -> None:
+    def _reconcile_once(self, key: JobKey, scope: PassScope) -> None:
         namespace, name = key
+        with self._guard:
+            if key not in self._gates:
+                scope = PassScope.FULL  # the last pass did not step a barrier (or its status write failed)
         job = self._job(key)
         if job is None:
             self._forget(key)
@@ -209,8 +221,9 @@ class Shell:
         now = dt.datetime.now(dt.UTC)
         order = self._ack_order.get(key, {})
         pods.sort(key=lambda pod: order.get(pod["metadata"]["name"], 0))  # acks in the order they came
-        queue = self._kueue_view(job) if self.kueue else None
-        plan = reconcile(Observed(job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue))
+        queue = self._kueue_view(job) if self.kueue and scope is PassScope.FULL else None
+        observed = Observed(job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope)
+        plan = reconcile(observed)
         before = RLJobStatus.model_validate(job.get("status") or {})
         self._apply(key, job, plan)
         metrics.record(namespace, name, before, plan.status)
@@ -349,7 +362,7 @@ class Shell:
         ):
             kept.pop(key, None)
         self._children_deleted.discard(key)
-        timer = self._timers.pop(key, None)
+        _, timer = self._timers.pop(key, (0.0, None))
         if timer is not None:
             timer.cancel()
 
@@ -403,13 +416,13 @@ class Shell:
             self._rejected[key] = (job["metadata"].get("generation"), rejected)
             self._namespaces.pop(namespace, None)  # it may be terminating: read it again
             with self._guard:
-                self._dirty.add(key)  # at once, one more pass reports it on the job instead of this pass's status
+                self._ask_again(key)  # at once, one more pass reports it on the job instead of this pass's status
             return
         if not self._write_status(key, job, plan.status):
             with self._guard:
                 self._gates.pop(key, None)
                 self._jobs.pop(key, None)  # read it anew
-                self._dirty.add(key)  # the job changed since: one more pass, which posts the Events
+                self._ask_again(key)  # the job changed since: one more pass, which posts the Events
             return
         self._open_gate(key, plan)
         for event in plan.events:
@@ -427,7 +440,7 @@ class Shell:
         judged at once (a pass only when one needs it)."""
         barrier = plan.status.barrier
         with self._guard:
-            if barrier is None:
+            if barrier is None or plan.waiting_for is None:
                 self._gates.pop(key, None)
                 return
             gate = AckGate(barrier.id, barrier.phase, dict(barrier.retries), set(plan.waiting_for))
@@ -437,7 +450,7 @@ class Shell:
             }
             self._gates[key] = gate
             if AckVerdict.NEEDS_PASS in verdicts:
-                self._dirty.add(key)
+                self._ask_again(key, PassScope.BARRIER)
 
     def _write_status(self, key: JobKey, job: dict[str, Any], status: RLJobStatus) -> bool:
         """Write what changed in the status as a merge patch, on the resourceVersion it was computed from;
@@ -496,13 +509,19 @@ class Shell:
         return {}
 
     def _wake_in(self, key: JobKey, seconds: float) -> None:
-        """One timer per job: the next pass ``seconds`` from now, replacing any earlier wake-up."""
+        """One timer per job: a pass of the whole pipeline ``seconds`` from now, unless one is due sooner (a pass
+        of the barrier step alone knows only the barrier's deadline; one that wakes early finds nothing to do)."""
+        now = time.monotonic()
+        due = now + seconds
         timer = threading.Timer(seconds, self.request, key)
         timer.daemon = True
         with self._guard:
-            previous, self._timers[key] = self._timers.get(key), timer
-        if previous is not None:
-            previous.cancel()
+            kept_due, kept = self._timers.get(key, (0.0, None))
+            if kept is not None and now < kept_due <= due:
+                return
+            self._timers[key] = (due, timer)
+        if kept is not None:
+            kept.cancel()
         timer.start()
 
     def _server_side_apply(self, child: dict[str, Any]) -> None:

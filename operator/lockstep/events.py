@@ -5,8 +5,9 @@ pass per pod event was most of a barrier's cost. ``PodFacts`` is what a pass rea
 changes none of it (the echo of the operator's own command write, a kubelet status heartbeat) needs no pass.
 ``AckGate`` is the open barrier as the last pass left it: while a barrier phase waits for acks, an ack that
 answers it only shrinks the set of members still to answer; the pass runs when that set empties, when an
-ack reports an error or cannot be read, or when anything else about a pod changes (a member left, failed,
-was replaced). The phase deadline is a timer of its own. ``PodCache`` is one job's pods as the watch delivered
+ack reports an error or cannot be read (a pass of the barrier step alone: ``PassScope.BARRIER``), or when
+anything else about a pod changes (a member left, failed, was replaced: the whole pipeline). The phase deadline
+is a timer of its own. ``PodCache`` is one job's pods as the watch delivered
 them, so that a pass does not list them.
 """
 
@@ -89,15 +90,29 @@ class AckGate:
         return AckVerdict.ANSWERS if self.waiting else AckVerdict.NEEDS_PASS
 
 
-def needs_pass(before: PodFacts | None, after: PodFacts | None, gate: AckGate | None, pod: str) -> bool:
-    """Whether a pod event (``before`` → ``after``; None: unknown, or deleted) needs a reconcile pass."""
+class PassScope(Enum):
+    """How much of the pipeline a pass runs (lockstep.reconcile)."""
+
+    FULL = "full"
+    """Everything: the job, its policy, its children and its pods against the desired ones, then the barrier."""
+    BARRIER = "barrier"
+    """The barrier step alone: nothing but acks changed since the last pass, which stepped the open barrier."""
+
+    def join(self, other: PassScope | None) -> PassScope:
+        """One pass for two requests: the whole pipeline if either asks for it."""
+        return PassScope.FULL if PassScope.FULL in (self, other) else PassScope.BARRIER
+
+
+def pass_for(before: PodFacts | None, after: PodFacts | None, gate: AckGate | None, pod: str) -> PassScope | None:
+    """The pass a pod event (``before`` → ``after``; None: unknown, or deleted) needs, if any."""
     if before == after:
-        return False  # nothing a pass reads changed (e.g. the echo of the operator's own command)
+        return None  # nothing a pass reads changed (e.g. the echo of the operator's own command)
     if before is None or after is None or before.apart_from_ack() != after.apart_from_ack():
-        return True
+        return PassScope.FULL
     if gate is None:
-        return False  # acks matter to an open barrier only; the pass that opens one judges those already there
-    return gate.on_ack(pod, after.annotation(keys.BARRIER_ACK)) is AckVerdict.NEEDS_PASS
+        return None  # acks matter to an open barrier only; the pass that opens one judges those already there
+    verdict = gate.on_ack(pod, after.annotation(keys.BARRIER_ACK))
+    return PassScope.BARRIER if verdict is AckVerdict.NEEDS_PASS else None
 
 
 def revision(obj: dict[str, Any]) -> int | None:

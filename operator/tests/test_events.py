@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lockstep import keys
 from lockstep.controller import merge_patch
-from lockstep.events import AckGate, AckVerdict, PodCache, PodFacts, needs_pass
+from lockstep.events import AckGate, AckVerdict, PassScope, PodCache, PodFacts, pass_for
 from lockstep.protocol import PROTOCOL, BarrierPhase
 
 
@@ -39,31 +39,44 @@ def test_an_event_that_changes_nothing_a_pass_reads_needs_no_pass() -> None:
     before = PodFacts.of(pod())
     noise = pod(**{"kubectl.kubernetes.io/last-applied": "y"})
     noise["metadata"]["managedFields"] = []
-    assert not needs_pass(before, PodFacts.of(noise), None, "a")
+    assert pass_for(before, PodFacts.of(noise), None, "a") is None
     cache = PodCache()
     cache.observe("ADDED", pod())
     cache.annotate("a", {keys.BARRIER: "the operator's command"})
     command = cache.facts("a")
-    assert not needs_pass(command, PodFacts.of(pod(**{keys.BARRIER: "the operator's command"})), None, "a"), (
+    assert pass_for(command, PodFacts.of(pod(**{keys.BARRIER: "the operator's command"})), None, "a") is None, (
         "the echo of the operator's own write"
     )
     for changed in (pod(phase="Failed"), pod(uid="u2"), pod(**{keys.WEIGHTS: "{}"})):
-        assert needs_pass(before, PodFacts.of(changed), gate("a"), "a")
-    assert needs_pass(None, before, gate("a"), "a") and needs_pass(before, None, gate("a"), "a"), "new or deleted"
+        assert pass_for(before, PodFacts.of(changed), gate("a"), "a") is PassScope.FULL
+    assert pass_for(None, before, gate("a"), "a") is PassScope.FULL, "new"
+    assert pass_for(before, None, gate("a"), "a") is PassScope.FULL, "deleted"
 
 
 def test_acks_wait_for_the_last_one_and_errors_pass_at_once() -> None:
     waiting = gate("a", "b")
     plain = PodFacts.of(pod("a"))
-    assert not needs_pass(plain, PodFacts.of(pod("a", **{keys.BARRIER_ACK: ack()})), waiting, "a")
+    assert pass_for(plain, PodFacts.of(pod("a", **{keys.BARRIER_ACK: ack()})), waiting, "a") is None
     assert waiting.waiting == {"b"}
-    assert not needs_pass(plain, PodFacts.of(pod("b", **{keys.BARRIER_ACK: ack("Resumed")})), waiting, "b")
-    assert not needs_pass(plain, PodFacts.of(pod("b", **{keys.BARRIER_ACK: ack(barrier="job/0/1")})), waiting, "b")
-    assert needs_pass(plain, PodFacts.of(pod("b", **{keys.BARRIER_ACK: ack()})), waiting, "b"), "the last one"
+    assert pass_for(plain, PodFacts.of(pod("b", **{keys.BARRIER_ACK: ack("Resumed")})), waiting, "b") is None
+    assert pass_for(plain, PodFacts.of(pod("b", **{keys.BARRIER_ACK: ack(barrier="job/0/1")})), waiting, "b") is None
+    last = pass_for(plain, PodFacts.of(pod("b", **{keys.BARRIER_ACK: ack()})), waiting, "b")
+    assert last is PassScope.BARRIER, "the last one: a pass of the barrier step alone"
     assert not waiting.waiting
-    assert not needs_pass(plain, PodFacts.of(pod("c", **{keys.BARRIER_ACK: ack()})), None, "c"), (
+    failed = pass_for(plain, PodFacts.of(pod("a", **{keys.BARRIER_ACK: ack(error="OSError")})), gate("a", "b"), "a")
+    assert failed is PassScope.BARRIER, "an error: at once"
+    assert pass_for(plain, PodFacts.of(pod("c", **{keys.BARRIER_ACK: ack()})), None, "c") is None, (
         "no barrier open: an ack alone is nothing to act on"
     )
+    both = pod("a", phase="Failed", **{keys.BARRIER_ACK: ack()})
+    assert pass_for(plain, PodFacts.of(both), gate("a"), "a") is PassScope.FULL, "an ack and more: the whole pipeline"
+
+
+def test_one_pass_for_two_requests_runs_the_wider_scope() -> None:
+    assert PassScope.BARRIER.join(None) is PassScope.BARRIER
+    assert PassScope.BARRIER.join(PassScope.BARRIER) is PassScope.BARRIER
+    assert PassScope.BARRIER.join(PassScope.FULL) is PassScope.FULL
+    assert PassScope.FULL.join(PassScope.BARRIER) is PassScope.FULL
 
 
 def test_the_gate_judges_each_ack() -> None:

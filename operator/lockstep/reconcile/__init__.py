@@ -7,7 +7,8 @@ delivered them: a pass does not list the pods), the ParityPolicies and the names
 A pass is a short pipeline of steps, each in the module named after it; a step that ends the pass says why in
 the status and returns ``Next.DONE``:
 
-1. policy: the spec parses, and a ParityPolicy gives the effective vLLM configuration;
+1. policy: the spec parses, and a ParityPolicy gives the effective vLLM configuration; a pass asked for by
+   barrier acks alone (``Observed.scope``) then steps the barrier and ends (acks);
 2. pods.apply_children: the job's ServiceAccount, Role, ConfigMap, Services and NetworkPolicy;
 3. queue: Kueue admits the job, and says where its pods go (jobs labelled kueue.x-k8s.io/queue-name);
 4. spec.suspend stops the pods;
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 from lockstep.api import Phase
 from lockstep.conditions import READY
-from lockstep.reconcile import budget, completion, pods, policy, preflight, queue, restarts, summary, weights
+from lockstep.events import PassScope
+from lockstep.reconcile import acks, budget, completion, pods, policy, preflight, queue, restarts, summary, weights
 from lockstep.reconcile.children import classify
 from lockstep.reconcile.context import Event, KueueView, Next, Observed, Pass, Plan, pod_phase
 from lockstep.reconcile.reasons import Reason
@@ -51,6 +53,8 @@ def _steps(run: Pass) -> None:
     config = policy.resolve(run, spec)
     if config is None:
         weights.keep_moving(run, spec, spec.actors.vllm.tensor_parallel_size or 1)
+        return
+    if run.observed.scope is PassScope.BARRIER and acks.advance_barrier(run, spec, config) is Next.DONE:
         return
     wanted = pods.wanted(run, spec, config)
     pods.apply_children(run, spec, config, wanted)

@@ -11,6 +11,7 @@ from typing import Any
 from lockstep import desired, keys, kueue
 from lockstep.api import RLJobStatus
 from lockstep.conditions import set_condition
+from lockstep.events import PassScope
 from lockstep.times import rfc3339
 
 
@@ -39,7 +40,9 @@ class Observed:
     rejected: dict[str, str] = field(default_factory=dict)
     """What the API server refused to create for this job at its current generation: object → its message."""
     kueue: KueueView | None = None
-    """None when the operator's Kueue integration is off."""
+    """None when the operator's Kueue integration is off (and on a pass of the barrier step alone)."""
+    scope: PassScope = PassScope.FULL
+    """BARRIER: nothing but acks changed since the last pass, which stepped the open barrier (the shell knows)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     delete_job: bool = False
-    waiting_for: set[str] = field(default_factory=set)
-    """The members whose ack the open barrier's current phase still waits for (none open: empty)."""
+    waiting_for: set[str] | None = None
+    """The members whose ack the open barrier's current phase still waits for; None when this pass did not step
+    an open barrier (so acks alone ask for no pass of the barrier step alone)."""
     workload_status: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Kueue Workload name → a merge patch of its status (with the resourceVersion it was computed from)."""
 
