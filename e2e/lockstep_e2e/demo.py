@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import statistics
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from kubernetes import client
@@ -23,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lockstep_e2e import build
+from lockstep_e2e.barrier_time import barrier_times
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO, install, start_operator
 from lockstep_e2e.jobs import condition
@@ -41,6 +44,10 @@ def kubectl(cluster: LocalCluster, *args: str) -> None:
     command = ["kubectl", *args]
     print(f"\n$ {' '.join(command)}", flush=True)
     subprocess.run([str(build.bin_dir() / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", *args], check=True)
+
+
+def _median_ms(seconds: Iterable[float]) -> str:
+    return f"{statistics.median(seconds) * 1000:.0f} ms"
 
 
 def metrics_table(result: RunResult) -> Table:
@@ -113,11 +120,13 @@ def main() -> None:
                 "{'  slowest: '}{.slowestPod}{'\\n'}{end}"
             )
             kubectl(cluster, "get", "rljob", JOB, "-n", NAMESPACE, "-o", f"jsonpath={history}")
-            if overheads := sorted(result.barrier_overheads().values()):
-                median = overheads[len(overheads) // 2]
+            if times := barrier_times(cluster.audit_events(), NAMESPACE, JOB, result.updates):
                 step(
-                    f"barriers beyond the actors' own pause, load and resume: median {median:.3f}s,"
-                    f" max {overheads[-1]:.3f}s ({len(overheads)} barriers)"
+                    f"a barrier took {_median_ms(t.beyond_own_work for t in times)} beyond the actors' own pause, "
+                    f"load and resume ({_median_ms(t.own_work for t in times)}): the operator "
+                    f"{_median_ms(t.operator for t in times)}, the agents {_median_ms(t.agents for t in times)}, the "
+                    f"API server's 4 writes in a row {_median_ms(t.api_server for t in times)} (medians of "
+                    f"{len(times)} barriers, from the API server's audit log)"
                 )
             Console().print(metrics_table(result))
             rewards = [r["reward"] for r in result.steps]

@@ -96,21 +96,6 @@ class RunResult:
     """pod -> its last Prometheus scrape while the job ran (actors, trainer rank 0)."""
     seconds: float
 
-    def barrier_overheads(self) -> dict[int, float]:
-        """Weights version → seconds its completed barrier took beyond the slowest actor's own pause, load and
-        resume: what coordination cost (the operator, the API server, the agents' watches)."""
-        own: dict[int, float] = {}
-        for updates in self.updates.values():
-            for update in updates:
-                if "resumeSeconds" in update:
-                    work = update["pauseSeconds"] + update["loadSeconds"] + update["resumeSeconds"]
-                    own[update["version"]] = max(own.get(update["version"], 0.0), work)
-        return {
-            record["version"]: record["seconds"] - own[record["version"]]
-            for record in self.job["status"].get("barrierHistory", [])
-            if record["outcome"] == "Completed" and record["version"] in own
-        }
-
 
 def run_tiny_rl_job(
     cluster: LocalCluster,

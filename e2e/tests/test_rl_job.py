@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from kubernetes import client
 from lockstep.api import MismatchBudget
 from lockstep.cli import describe_status
 from lockstep.parity import default_policy
+from lockstep_e2e.barrier_time import barrier_times
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods, patch_job
 from lockstep_e2e.podrunner import JobPods
@@ -77,6 +79,10 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
         assert versions and versions[-1] == STEPS, f"{pod} ended on version {versions[-1:]}"
         assert versions == sorted(set(versions)), f"{pod} loaded a version twice or out of order: {versions}"
     assert_no_actor_resumed_a_version_before_all_loaded_it(result)
+    barriers = barrier_times(cluster.audit_events(), namespace, "tiny", result.updates)
+    print("a barrier beyond the actors' own work, median:", statistics.median(t.beyond_own_work for t in barriers))
+    in_flight = [{u["version"] for u in us if u["pausedAt"] is not None} for us in result.updates.values()]
+    assert [t.version for t in barriers] == sorted(set.intersection(*in_flight)), "the audit log times every barrier"
 
     budget = MismatchBudget().mean_abs_logprob_diff
     worst = worst_onpolicy_mismatch(result)
