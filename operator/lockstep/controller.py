@@ -394,11 +394,6 @@ class Shell:
                 for pod_name, values in plan.annotate_pods.items()
             ),
         ]
-        # A pass that only writes commands (most barrier passes) sends its status beside them: it, and the next
-        # pass, which the acks answering them ask for, wait for one round trip, not two. Either order is safe (a
-        # pass decides again from the status and the pods it finds); pods to delete or create go first.
-        alongside = not (rejected or plan.create_pods or plan.delete_pods)
-        status_written = self._pods_pool.submit(self._write_status, key, job, plan.status) if alongside else None
         list(self._pods_pool.map(lambda call: _write_pod(*call), calls))
         for workload, patch in plan.workload_status.items():
             # A conflict (409) means Kueue wrote the Workload meanwhile: its watch event asks for another pass.
@@ -423,7 +418,7 @@ class Shell:
             with self._guard:
                 self._ask_again(key)  # at once, one more pass reports it on the job instead of this pass's status
             return
-        if not (self._write_status(key, job, plan.status) if status_written is None else status_written.result()):
+        if not self._write_status(key, job, plan.status):
             with self._guard:
                 self._gates.pop(key, None)
                 self._jobs.pop(key, None)  # read it anew
