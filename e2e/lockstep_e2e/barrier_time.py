@@ -88,8 +88,8 @@ def barrier_times(
             if "resumedAt" in record and record.get("pausedAt") is not None:
                 by_version.setdefault(record["version"], {})[pod] = record
     times = []
-    for version, records in sorted(by_version.items()):
-        if set(records) == set(updates) and (time := _barrier_time(version, records, patches)) is not None:
+    for version, recorded in sorted(by_version.items()):
+        if set(recorded) == set(updates) and (time := _barrier_time(version, recorded, patches)) is not None:
             times.append(time)
     return times
 
