@@ -221,7 +221,7 @@ class Shell:
         now = dt.datetime.now(dt.UTC)
         order = self._ack_order.get(key, {})
         pods.sort(key=lambda pod: order.get(pod["metadata"]["name"], 0))  # acks in the order they came
-        queue = self._kueue_view(job) if self.kueue and scope is PassScope.FULL else None
+        queue = self._kueue_view(job) if self.kueue else None  # a barrier pass may hand over to the whole pipeline
         observed = Observed(job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope)
         plan = reconcile(observed)
         before = RLJobStatus.model_validate(job.get("status") or {})

@@ -40,7 +40,7 @@ class Observed:
     rejected: dict[str, str] = field(default_factory=dict)
     """What the API server refused to create for this job at its current generation: object → its message."""
     kueue: KueueView | None = None
-    """None when the operator's Kueue integration is off (and on a pass of the barrier step alone)."""
+    """None when the operator's Kueue integration is off."""
     scope: PassScope = PassScope.FULL
     """BARRIER: nothing but acks changed since the last pass, which stepped the open barrier (the shell knows)."""
 
