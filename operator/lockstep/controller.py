@@ -495,14 +495,17 @@ class Shell:
 
     def _create_pod(self, key: JobKey, pod: dict[str, Any]) -> dict[str, str]:
         """Create ``pod`` and keep the API server's answer; ``_refused``'s verdict. A pod that exists already
-        is one the watch has not brought yet: the next pass lists the job's pods again."""
+        is still terminating (the cache has it: its deletion asks for the next pass), or one the watch has not
+        brought yet: then the next pass lists the job's pods again."""
         try:
             body: Any = pod  # the client sends a dict as it is
             created = _json(self.core.create_namespaced_pod(key[0], body, _preload_content=False))
         except ApiException as error:
             if error.status == 409:
                 with self._guard:
-                    self._pods.setdefault(key, PodCache()).listed = False
+                    cache = self._pods.setdefault(key, PodCache())
+                    if pod["metadata"]["name"] not in cache.pods:
+                        cache.listed = False
             return _refusal(f"Pod {pod['metadata']['name']}", error)
         with self._guard:
             self._pods.setdefault(key, PodCache()).observe("ADDED", created)
