@@ -343,6 +343,45 @@ def test_lost_pods_are_recreated_until_max_restarts(kube: client.ApiClient, name
     wait_for(lambda: not pod_names(kube, namespace, "fragile"), "the failed job's pods to be deleted")
 
 
+def test_a_pod_still_terminating_comes_back_once_gone_without_the_operator_listing_pods(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str
+) -> None:
+    """A lost pod that takes its time to go (a finalizer) is created again once it is gone. Meanwhile each try
+    finds it there (409), and the operator's cache, which has it, knows why: no LIST of the job's pods."""
+    core = client.CoreV1Api(kube)
+    create_job(kube, namespace, rljob("lingering", actors=1))
+    wait_phase(kube, namespace, "lingering", "Running")
+    pod = "lingering-actor-0"
+    first_uid = core.read_namespaced_pod(pod, namespace).metadata.uid
+    core.patch_namespaced_pod(pod, namespace, {"metadata": {"finalizers": ["test.lockstep.dev/hold"]}})
+    seen = len(cluster.audit_events())
+    core.delete_namespaced_pod(pod, namespace)
+
+    def operator_requests(verb: str) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in cluster.audit_events()[seen:]
+            if e["user"]["username"] == keys.OPERATOR_USERNAME
+            and e["stage"] == "ResponseComplete"
+            and e["verb"] == verb
+            and e.get("objectRef", {}).get("resource") == "pods"
+            and e.get("objectRef", {}).get("namespace") == namespace
+        ]
+
+    wait_for(
+        lambda: any(e["responseStatus"]["code"] == 409 for e in operator_requests("create")),
+        "the operator to try to create the pod while it terminates",
+    )
+    core.patch_namespaced_pod(pod, namespace, {"metadata": {"finalizers": None}})
+
+    def came_back() -> bool:
+        found = core.list_namespaced_pod(namespace, field_selector=f"metadata.name={pod}").items
+        return bool(found) and found[0].metadata.uid != first_uid
+
+    wait_for(came_back, "the pod to come back")
+    assert not operator_requests("list"), "the cache knew the pod was terminating: nothing to list"
+
+
 def test_a_pod_under_another_config_is_drift_and_replaced(kube: client.ApiClient, namespace: str) -> None:
     core = client.CoreV1Api(kube)
     create_job(kube, namespace, rljob("drifty", actors=1))
