@@ -73,7 +73,7 @@ def writes(audit: list[dict[str, Any]], namespace: str, job: str) -> list[Write]
                     event["user"]["username"] == keys.OPERATOR_USERNAME,
                 )
             )
-    return sorted(found, key=lambda write: write.start)
+    return sorted(found)  # by start first
 
 
 def barrier_times(

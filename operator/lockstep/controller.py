@@ -516,12 +516,12 @@ class Shell:
         of the barrier step alone knows only the barrier's deadline; one that wakes early finds nothing to do)."""
         now = time.monotonic()
         due = now + seconds
-        timer = threading.Timer(seconds, self.request, key)
-        timer.daemon = True
         with self._guard:
             kept_due, kept = self._timers.get(key, (0.0, None))
             if kept is not None and now < kept_due <= due:
                 return
+            timer = threading.Timer(seconds, self.request, key)
+            timer.daemon = True
             self._timers[key] = (due, timer)
         if kept is not None:
             kept.cancel()
