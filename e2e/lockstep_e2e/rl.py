@@ -110,12 +110,14 @@ def run_tiny_rl_job(
     timeout: float = 900.0,
     progress: Callable[[str], None] = print,
     watch: Callable[[dict[str, Any], JobPods], None] | None = None,
+    before_start: Callable[[dict[str, Any]], None] | None = None,
     text: bool = False,
     **spec: Any,
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec
-    fields; ``text``: the text task), run its pods until it finishes (or ``timeout``; ``watch`` sees the job and its
-    pods every second), and collect what it recorded. With
+    fields; ``text``: the text task), run its pods until it finishes (or ``timeout``; ``before_start`` sees the job
+    once its pods exist, before their containers start; ``watch`` sees the job and its pods every second), and collect
+    what it recorded. With
     ``preflight: {enabled: true}`` the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
     model = text_task.create_model(workdir / "model") if text else create_tiny_llama(workdir / "model")
@@ -153,6 +155,8 @@ def run_tiny_rl_job(
     while training_pods() < actors + trainers:
         time.sleep(0.2)
     progress(f"the operator created {actors} actor and {trainers} trainer pod(s); starting their containers")
+    if before_start is not None:
+        before_start(job)
     scraped: dict[str, str] = {}
     with running_pods(cluster, kube, namespace, name, actors, logs) as pods:
         reported = 0

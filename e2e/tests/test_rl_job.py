@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from transformers import AutoModelForCausalLM
 
 from lockstep.api import MismatchBudget
 from lockstep.cli import describe_status
@@ -27,6 +28,7 @@ from lockstep_e2e.rl import EVAL, RunResult, run_tiny_rl_job
 from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
 from lockstep_workers import text_task
 from lockstep_workers.rewards import math_exact_match
+from lockstep_workers.weights import publish, weights_directory
 
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep")]
 
@@ -344,6 +346,32 @@ def test_a_lost_trainer_rank_restarts_the_group_from_the_committed_weights(
     assert steps[resumed[0] - 10 :] == list(range(resumed[0] + 1, 11)), f"the restarted ranks ran on: {steps}"
     rewards = [r["reward"] for r in result.steps]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, "training went on from where it was, not from scratch"
+
+
+def test_a_trainer_resumes_weights_it_published_but_the_operator_never_read_and_announces_them_again(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """The job's directory already holds versions 1 and 2, as a trainer leaves it when its pod is replaced between
+    publishing and the operator reading the announcement. The new trainer resumes from version 2 and, since its
+    step 3 waits for actors on version 1 or newer (maxLag 1), it must announce version 2 for an update to open."""
+    published: list[int] = []
+
+    def publish_versions(job: dict[str, Any]) -> None:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+        directory = weights_directory(tmp_path / "shared" / job["metadata"]["uid"])
+        published.extend(publish(model.state_dict(), directory, version).version for version in (1, 2))
+
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=5, actors=1, trainers=1, timeout=300, before_start=publish_versions
+    )
+    status = result.job["status"]
+    assert published == [1, 2]
+    assert status["phase"] == "Succeeded" and status["weightsVersion"] == 5, status.get("conditions")
+    log = (tmp_path / "pods" / "tiny-trainer-0.log").read_text()
+    assert "resuming from weights version 2 (committed: none)" in log
+    assert "announcing weights version 2 again" in log
+    assert [r["step"] for r in result.steps] == [3, 4, 5]
+    assert result.updates["tiny-actor-0"][0]["version"] == 2, "the actor's first update loaded version 2"
 
 
 def test_a_trainer_of_two_ranks_resumes_its_checkpoint_with_one(

@@ -125,12 +125,20 @@ class PodEnvironment:
         )
 
 
-def announce(weights: Weights, mismatch: Mismatch, evaluation: EvalResult | None, namespace: str, pod: str) -> None:
-    """Write ``lockstep.dev/weights``, the step's ``lockstep.dev/mismatch`` and, when the step evaluated,
+def announce(
+    weights: Weights,
+    namespace: str,
+    pod: str,
+    mismatch: Mismatch | None = None,
+    evaluation: EvalResult | None = None,
+) -> None:
+    """Write ``lockstep.dev/weights`` and, when the step measured them, its ``lockstep.dev/mismatch`` and
     ``lockstep.dev/evaluation`` on this trainer pod (the only place the operator reads them from)."""
     from lockstep_workers.agent import pod_api
 
-    annotations = {keys.WEIGHTS: document(weights), keys.MISMATCH: document(mismatch)}
+    annotations = {keys.WEIGHTS: document(weights)}
+    if mismatch is not None:
+        annotations[keys.MISMATCH] = document(mismatch)
     if evaluation is not None:
         annotations[keys.EVALUATION] = document(evaluation)
     pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})

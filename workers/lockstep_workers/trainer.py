@@ -53,7 +53,7 @@ from lockstep_workers.pod import (
 from lockstep_workers.rollouts import Actors, ActorService, discovery, fresh_rollouts
 from lockstep_workers.scoring import RewardInput, Scorer, load_callable
 from lockstep_workers.transfer import manifest_uri
-from lockstep_workers.weights import newest_version, publish, tensors, verified_path, version_path
+from lockstep_workers.weights import newest_version, publish, published, tensors, verified_path, version_path
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -86,6 +86,10 @@ class Resumption:
     """A published version to load the model from: newer than the newest checkpoint, or there is none."""
     checkpoint: int | None = None
     """The step of the checkpoint to load the optimizer and RNG states, and unless ``weights`` the model, from."""
+    announce_again: Weights | None = None
+    """The version resumed from, when it is newer than the committed one: the trainer it replaces may have gone
+    before the operator read its announcement, and without one no update opens, so the actors would never reach
+    the version this trainer waits for (spec.trainer.maxLag). Rank 0 announces it before its first step."""
 
 
 def resumption(committed: Weights | None, weights_dir: Path, checkpoints_dir: Path) -> Resumption:
@@ -103,8 +107,11 @@ def resumption(committed: Weights | None, weights_dir: Path, checkpoints_dir: Pa
             "its checkpoints"
         )
     path = version_path(weights_dir, newest)
+    again = None
     if committed is not None and newest == committed.version:
         verified_path(committed.model_copy(update={"uri": path.resolve().as_uri()}))
+    else:
+        again = published(weights_dir, newest)
     saved = checkpoint.newest_checkpoint(checkpoints_dir, at_most=newest)
     logger.info(
         "resuming from weights version %d (committed: %s), %s",
@@ -112,11 +119,11 @@ def resumption(committed: Weights | None, weights_dir: Path, checkpoints_dir: Pa
         committed.version if committed else "none",
         f"optimizer state from the checkpoint of step {saved}" if saved is not None else "a fresh optimizer state",
     )
-    return Resumption(newest + 1, None if saved == newest else path, saved)
+    return Resumption(newest + 1, None if saved == newest else path, saved, again)
 
 
-def restore(env: PodEnvironment, causal_lm: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Every rank: load what rank 0 decided to resume from into the shards; return the first step to run."""
+def restore(env: PodEnvironment, causal_lm: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Resumption:
+    """Every rank: load what rank 0 decided to resume from into the shards; return that decision."""
     device = sharding.accelerator(env.local_rank)
     decided: list[Any] = [None]
     if env.rank == 0:
@@ -131,7 +138,7 @@ def restore(env: PodEnvironment, causal_lm: torch.nn.Module, optimizer: torch.op
         if unexpected:
             raise ValueError(f"the published weights {resumed.weights} do not fit this model: {sorted(unexpected)[:5]}")
         sharding.load_full_state_dict(causal_lm, published)
-    return resumed.first_step
+    return resumed
 
 
 def compute_dtype(config: dict[str, Any], model_path: str) -> torch.dtype:
@@ -234,7 +241,7 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         activation_checkpointing=settings.activation_checkpointing,
     )
     optimizer = torch.optim.Adam(policy.parameters(), lr=settings.objective.learning_rate)
-    first_step = restore(env, causal_lm, optimizer)
+    resumed = restore(env, causal_lm, optimizer)
     rollout = settings.rollout
     every = settings.eval.every_steps
     sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
@@ -246,8 +253,11 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             start_http_server(env.metrics_port)
         if env.weight_sync.collective:
             sending = Sending(env)
+        if resumed.announce_again is not None and env.pod and env.namespace:
+            logger.info("announcing weights version %d again, for the actors to load", resumed.announce_again.version)
+            announce(_as_announced(env, resumed.announce_again), env.namespace, env.pod)
         actors.wait_until_ready()
-    for step in range(first_step, settings.steps + 1):
+    for step in range(resumed.first_step, settings.steps + 1):
         started = time.monotonic()
 
         # Evaluate (rank 0, when due): once the actors serve the weights this step starts from.
@@ -329,8 +339,6 @@ def _announce_and_record(
     budget: float,
 ) -> None:
     """Rank 0: announce version ``step`` and the step's mismatch on the pod, record the step, log it."""
-    if env.weight_sync.collective:
-        weights = weights.model_copy(update={"uri": manifest_uri(env.weights_host, env.weights_port, step)})
     if env.pod and env.namespace:
         mismatch = Mismatch(
             step=step,
@@ -343,7 +351,7 @@ def _announce_and_record(
             if EVAL_REWARD in metrics
             else None
         )
-        announce(weights, mismatch, evaluation, env.namespace, env.pod)
+        announce(_as_announced(env, weights), env.namespace, env.pod, mismatch, evaluation)
     record(env, step, seconds, metrics)
     if metrics["onpolicy_mean_abs_logprob_diff"] > budget:
         logger.warning(
@@ -364,6 +372,13 @@ def _announce_and_record(
         seconds,
         step,
     )
+
+
+def _as_announced(env: PodEnvironment, weights: Weights) -> Weights:
+    """``weights`` as rank 0 announces them: with a collective backend, at its manifest's URL."""
+    if not env.weight_sync.collective:
+        return weights
+    return weights.model_copy(update={"uri": manifest_uri(env.weights_host, env.weights_port, weights.version)})
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The filesystem weight transport: safetensors files on a volume shared by the trainer and the actors.
 
-The trainer publishes version N as ``v000N.safetensors``: written to a temporary name, hashed,
-renamed into place (atomic), announced with its sha256; older versions beyond ``keep`` are removed.
+The trainer publishes version N as ``v000N.safetensors``: written to a temporary name, renamed
+into place (atomic), announced with its sha256 (``published``); older versions beyond ``keep`` are removed.
 An actor opens a version only from its job's own weights directory (``WeightsDirectory``), and only after
 checking the digest it was told.
 """
@@ -83,13 +83,18 @@ def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, 
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
     save_file(_untied(tensors), str(partial))
-    digest = digest_of(partial)
     os.replace(partial, final)
     retained_since = time.time() - RETAIN_SECONDS
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
         if old.stat().st_mtime < retained_since:
             old.unlink(missing_ok=True)
-    return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
+    return published(directory, version)
+
+
+def published(directory: Path, version: int) -> Weights:
+    """What announces weights version ``version``, published in ``directory``: its file and that file's digest."""
+    path = version_path(directory, version)
+    return Weights(version=version, uri=path.resolve().as_uri(), digest=digest_of(path))
 
 
 def version_path(directory: Path, version: int) -> Path:

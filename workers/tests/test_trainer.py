@@ -243,7 +243,7 @@ def test_the_trainers_top_p_mask_is_vllms() -> None:
 
 def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_path: Path) -> None:
     from lockstep_workers.trainer import Resumption, resumption
-    from lockstep_workers.weights import publish, version_path
+    from lockstep_workers.weights import publish, published, version_path
 
     model = tiny(tmp_path / "model")
     weights, checkpoints = tmp_path / "weights", tmp_path / "checkpoints"
@@ -258,10 +258,11 @@ def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_
     assert resumption(committed, weights, checkpoints).checkpoint is None, "an incomplete checkpoint is not loaded"
     (checkpoints / "step-000007" / ".metadata").touch()
     assert resumption(committed, weights, checkpoints) == Resumption(8, None, 7), "the checkpoint holds version 7"
-    publish(model.state_dict(), weights, version=8)  # announced; its update may be in flight
-    assert resumption(committed, weights, checkpoints) == Resumption(9, version_path(weights, 8), 7), (
-        "version 8 keeps naming the weights announced as 8; the optimizer state comes from step 7"
-    )
+    publish(model.state_dict(), weights, version=8)  # its announcement may have been lost with the old pod
+    assert resumption(committed, weights, checkpoints) == Resumption(
+        9, version_path(weights, 8), 7, announce_again=published(weights, 8)
+    ), "version 8 keeps naming the weights published as 8, announced again; the optimizer state comes from step 7"
+    assert resumption(None, weights, checkpoints).announce_again == published(weights, 8), "nothing committed yet"
 
 
 def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
