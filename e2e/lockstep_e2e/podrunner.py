@@ -27,7 +27,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lockstep import keys
-from lockstep.desired import pod_name
+from lockstep.desired import pod_name, rank0_name
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import read_pod, service_account_token
 from lockstep_e2e.jobs import get_job
@@ -157,7 +157,7 @@ class JobPods:
         self.cluster, self.api, self.namespace, self.job, self.logs = cluster, api, namespace, job, logs
         self.urls = {pod_name(job, keys.ACTOR, i): f"http://127.0.0.1:{free_port()}" for i in range(actors)}
         """actor pod -> its local URL"""
-        trainer = pod_name(job, keys.TRAINER, 0)
+        trainer = rank0_name(job)
         self.metrics = {**self.urls, trainer: f"http://127.0.0.1:{free_port()}"}
         """pod -> the local URL of its Prometheus /metrics (every actor; trainer rank 0)"""
         self.running: dict[str, tuple[str, Component]] = {}

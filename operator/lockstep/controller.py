@@ -32,7 +32,7 @@ import prometheus_client
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from lockstep import api, keys, kueue, leader, metrics
+from lockstep import api, keys, kueue, leader, metrics, responses
 from lockstep.api import RLJobStatus
 from lockstep.events import AckGate, AckVerdict, PassScope, PodCache, pass_for, revision
 from lockstep.podwatch import PodWatch
@@ -52,10 +52,6 @@ WRITE_ATTEMPTS = 4
 
 logger = logging.getLogger("lockstep.controller")
 JobKey = tuple[str, str]  # (namespace, name)
-
-
-def _json(response: Any) -> Any:
-    return json.loads(response.data)
 
 
 class Shell:
@@ -132,7 +128,7 @@ class Shell:
     def request_all(self) -> None:
         """Reconcile every RLJob in the cluster (after a ParityPolicy changed, and periodically), each job's
         children applied anew; one job that fails does not keep the others from their pass."""
-        jobs = _json(self.custom.list_cluster_custom_object(*RLJOBS, _preload_content=False))["items"]
+        jobs = responses.body(self.custom.list_cluster_custom_object(*RLJOBS, _preload_content=False))["items"]
         with self._guard:
             self._applied_children.clear()
             self._rejected.clear()  # what was refused (a quota, a policy) may be accepted now
@@ -236,7 +232,7 @@ class Shell:
             if cache.listed:
                 return list(cache.pods.values())
         namespace, name = key
-        listed = _json(
+        listed = responses.body(
             self.core.list_namespaced_pod(
                 namespace, label_selector=f"{keys.POD_SELECTOR},{keys.JOB}={name}", _preload_content=False
             )
@@ -250,7 +246,7 @@ class Shell:
         """The job's Workloads, read on every pass (a pass that missed one could delete an admitted job's pods),
         the ResourceFlavors they were admitted to, and the job's WorkloadPriorityClass."""
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
-        workloads = _json(
+        workloads = responses.body(
             self.custom.list_namespaced_custom_object(
                 kueue.GROUP,
                 kueue.VERSION,
@@ -265,12 +261,12 @@ class Shell:
             listed = self.custom.list_cluster_custom_object(
                 kueue.GROUP, kueue.VERSION, kueue.RESOURCE_FLAVORS, _preload_content=False
             )
-            flavors = {f["metadata"]["name"]: f.get("spec") or {} for f in _json(listed)["items"]}
+            flavors = {f["metadata"]["name"]: f.get("spec") or {} for f in responses.body(listed)["items"]}
         classes = {}
         wanted = kueue.priority_class_name(job)
         if wanted is not None:
             try:
-                found = _json(
+                found = responses.body(
                     self.custom.get_cluster_custom_object(
                         kueue.GROUP, kueue.VERSION, kueue.PRIORITY_CLASSES, wanted, _preload_content=False
                     )
@@ -318,7 +314,7 @@ class Shell:
             return copy
         namespace, name = key
         try:
-            job: dict[str, Any] = _json(
+            job: dict[str, Any] = responses.body(
                 self.custom.get_namespaced_custom_object(
                     api.GROUP, api.VERSION, namespace, api.RLJOBS, name, _preload_content=False
                 )
@@ -334,7 +330,7 @@ class Shell:
         with self._guard:
             if self._policies is not None:
                 return list(self._policies.values())
-        listed = _json(self.custom.list_cluster_custom_object(*POLICIES, _preload_content=False))["items"]
+        listed = responses.body(self.custom.list_cluster_custom_object(*POLICIES, _preload_content=False))["items"]
         with self._guard:
             self._policies = {policy["metadata"]["name"]: policy for policy in listed}
         return list(listed)
@@ -344,7 +340,7 @@ class Shell:
         with self._guard:
             cached = self._namespaces.get(name)
         if cached is None:
-            cached = _json(self.core.read_namespace(name, _preload_content=False))
+            cached = responses.body(self.core.read_namespace(name, _preload_content=False))
             with self._guard:
                 self._namespaces[name] = cached
         return cached
@@ -476,7 +472,7 @@ class Shell:
             if error.status != 409:
                 raise
             return False
-        written_job = _json(written)
+        written_job = responses.body(written)
         written_job["metadata"].pop("managedFields", None)
         self._own_writes[key] = written_job["metadata"]["resourceVersion"]
         self._keep_job(key, written_job)
@@ -499,7 +495,7 @@ class Shell:
         brought yet: then the next pass lists the job's pods again."""
         try:
             body: Any = pod  # the client sends a dict as it is
-            created = _json(self.core.create_namespaced_pod(key[0], body, _preload_content=False))
+            created = responses.body(self.core.create_namespaced_pod(key[0], body, _preload_content=False))
         except ApiException as error:
             if error.status == 409:
                 with self._guard:

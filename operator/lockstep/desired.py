@@ -86,6 +86,11 @@ def pod_name(job: str, role: str, index: int) -> str:
     return f"{job}-{role}-{index}"
 
 
+def rank0_name(job: str) -> str:
+    """Trainer rank 0's pod: it announces the weights and, with a collective backend, sends them."""
+    return pod_name(job, keys.TRAINER, 0)
+
+
 def config_map_name(job: str) -> str:
     return f"{job}-config"
 
@@ -259,7 +264,7 @@ def actor_pod(
 
 def trainer_host(job: JobRef) -> str:
     """The stable DNS name of trainer rank 0 (the headless trainer Service)."""
-    return f"{pod_name(job.name, keys.TRAINER, 0)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
+    return f"{rank0_name(job.name)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
 
 
 def trainer_pod(

@@ -42,6 +42,8 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from lockstep import responses
+
 LEASE_NAME = "lockstep-operator"
 LEASE_DURATION = 8.0
 RENEW_DEADLINE = 5.0
@@ -59,12 +61,6 @@ class LeaseLost(Exception):
 def identity() -> str:
     """This replica's name in the Lease: its pod name (HOSTNAME) and a random suffix, unique per process."""
     return f"{os.environ.get('HOSTNAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
-
-
-def _json(response: Any) -> dict[str, Any]:
-    """The body of a call made with ``_preload_content=False``."""
-    body: dict[str, Any] = json.loads(response.data)
-    return body
 
 
 def _now() -> str:
@@ -134,7 +130,7 @@ class LeaderElector:
 
     def _try_acquire(self) -> bool:
         try:
-            lease = _json(self.leases.read_namespaced_lease(self.name, self.namespace, _preload_content=False))
+            lease = responses.body(self.leases.read_namespaced_lease(self.name, self.namespace, _preload_content=False))
         except ApiException as error:
             if error.status != 404:
                 raise
@@ -167,7 +163,9 @@ class LeaderElector:
             "spec": {**self._spec(now), "acquireTime": now, "leaseTransitions": 0},
         }
         try:
-            self._lease = _json(self.leases.create_namespaced_lease(self.namespace, body, _preload_content=False))
+            self._lease = responses.body(
+                self.leases.create_namespaced_lease(self.namespace, body, _preload_content=False)
+            )
         except ApiException as error:
             if error.status == 409:
                 return False  # another replica created it first
@@ -185,7 +183,7 @@ class LeaderElector:
     def _replace(self, spec: dict[str, Any], timeout: float | None = None) -> None:
         """Write ``spec`` over the Lease as last seen (a 409 if anyone wrote it since)."""
         body: Any = {**self._lease, "spec": spec}
-        self._lease = _json(
+        self._lease = responses.body(
             self.leases.replace_namespaced_lease(
                 self.name, self.namespace, body, _preload_content=False, _request_timeout=timeout
             )
@@ -197,7 +195,7 @@ class LeaderElector:
         except ApiException as error:
             if error.status != 409:
                 raise
-            self._lease = _json(
+            self._lease = responses.body(
                 self.leases.read_namespaced_lease(
                     self.name, self.namespace, _preload_content=False, _request_timeout=timeout
                 )

@@ -20,6 +20,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from lockstep import responses
+
 WATCH_SECONDS = 300
 """How long one watch request lasts before the API server ends it (and the watch goes on from its revision)."""
 RETRY_SECONDS = 1.0
@@ -58,7 +60,7 @@ class PodWatch:
 
     def _list(self) -> str:
         response: Any = self.core.list_pod_for_all_namespaces(label_selector=self.selector, _preload_content=False)
-        listed = json.loads(response.data)
+        listed = responses.body(response)
         revision: str = listed["metadata"]["resourceVersion"]
         self.on_list(listed["items"], revision)
         return revision

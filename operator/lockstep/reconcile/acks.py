@@ -15,7 +15,7 @@ from lockstep.reconcile.context import Next, Pass, pod_phase, role
 def advance_barrier(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> Next:
     """Step the barrier; CONTINUE (the whole pipeline decides) when the job is in a state the
     barrier alone does not cover: a child was refused, or the trainer completed (its final update ends the job)."""
-    rank0 = run.pods.get(desired.pod_name(run.job.name, keys.TRAINER, 0))
+    rank0 = run.pods.get(desired.rank0_name(run.job.name))
     if run.observed.rejected or (rank0 is not None and pod_phase(rank0) == "Succeeded"):
         return Next.CONTINUE
     live = {name: pod for name, pod in run.pods.items() if role(pod) in (keys.ACTOR, keys.TRAINER)}

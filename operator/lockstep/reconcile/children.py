@@ -63,7 +63,7 @@ def classify(run: Pass, wanted: Desired, fingerprint: str) -> Children:
         desired=wanted,
         pods=pods,
         preflight=run.pods.get(preflight_name) if preflight_name else None,
-        rank0=pods.get(desired.pod_name(run.job.name, keys.TRAINER, 0)),
+        rank0=pods.get(desired.rank0_name(run.job.name)),
         failed=sorted(n for n, pod in pods.items() if pod_phase(pod) == "Failed" and n not in accounted),
         vanished=sorted(
             n for n, pod in wanted.pods.items() if n not in pods and n not in accounted and _was_running(run, pod)

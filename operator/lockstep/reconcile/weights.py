@@ -32,7 +32,7 @@ def step(
     """Advance the barrier over ``live`` (the pods that stay); DONE when it failed the job. With a collective
     backend trainer rank 0 is a member too: it sends the weights, and each actor takes ``ranks`` ranks of the
     transfer group. While ``updates`` are held, an open barrier goes on and no new one opens."""
-    rank0_name = desired.pod_name(run.job.name, keys.TRAINER, 0)
+    rank0_name = desired.rank0_name(run.job.name)
     collective = spec.weight_sync.backend.collective
     members = {
         name: barrier.member_of(pod, reads_initial_weights=not collective)
