@@ -362,7 +362,7 @@ def test_a_trainer_resumes_weights_it_published_but_the_operator_never_read_and_
         published.extend(publish(model.state_dict(), directory, version).version for version in (1, 2))
 
     result = run_tiny_rl_job(
-        cluster, kube, namespace, tmp_path, steps=5, actors=1, trainers=1, timeout=300, before_start=publish_versions
+        cluster, kube, namespace, tmp_path, steps=5, actors=1, trainers=1, timeout=480, before_start=publish_versions
     )
     status = result.job["status"]
     assert published == [1, 2]
