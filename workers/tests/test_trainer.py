@@ -243,7 +243,8 @@ def test_the_trainers_top_p_mask_is_vllms() -> None:
 
 def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_path: Path) -> None:
     from lockstep_workers.trainer import Resumption, resumption
-    from lockstep_workers.weights import publish, published, version_path
+    from lockstep_workers.weights import publish, version_path
+    from lockstep_workers.weights import published as announcement_of
 
     model = tiny(tmp_path / "model")
     weights, checkpoints = tmp_path / "weights", tmp_path / "checkpoints"
@@ -260,9 +261,9 @@ def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_
     assert resumption(committed, weights, checkpoints) == Resumption(8, None, 7), "the checkpoint holds version 7"
     publish(model.state_dict(), weights, version=8)  # its announcement may have been lost with the old pod
     assert resumption(committed, weights, checkpoints) == Resumption(
-        9, version_path(weights, 8), 7, announce_again=published(weights, 8)
+        9, version_path(weights, 8), 7, announce_again=announcement_of(weights, 8)
     ), "version 8 keeps naming the weights published as 8, announced again; the optimizer state comes from step 7"
-    assert resumption(None, weights, checkpoints).announce_again == published(weights, 8), "nothing committed yet"
+    assert resumption(None, weights, checkpoints).announce_again == announcement_of(weights, 8), "none committed"
 
 
 def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
@@ -375,6 +376,47 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
     assert_same_weights(published(tmp_path / "two", 3), published(tmp_path / "one", 3))
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
+
+
+def _learn_with_and_without_activation_checkpointing(rank: int, model: str, out: str) -> None:
+    """One rank: the same learning step on the sharded model, without and with activation checkpointing; saves
+    each one's layer calls under autograd and its weights after the step."""
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers import sharding
+
+    torch.set_num_threads(1)
+    mesh = sharding.start(rank, 1, torch.device("cpu"))
+    results = {}
+    for checkpointing in (False, True):
+        causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        rollouts = sample(causal_lm, [[1, 10, 11], [1, 20, 21]], group=4, length=5)
+        rewards = [target_words(r.prompt, r.completion) for r in rollouts]
+        calls: list[bool] = []
+        for layer in causal_lm.model.layers:  # a pre-hook: a recomputation may stop before the layer returns
+            layer.register_forward_pre_hook(lambda *_, calls=calls: calls.append(torch.is_grad_enabled()))
+        policy = sharding.shard(
+            causal_lm, mesh, compute_dtype=torch.float32, fp32_head=True, activation_checkpointing=checkpointing
+        )
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        learn(policy, optimizer, rollouts, rewards, Objective(algorithm="grpo", minibatches=1), TEMPERATURE)
+        results[checkpointing] = {"calls": sum(calls), "weights": sharding.full_state_dict(causal_lm)}
+    torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_learns_the_same(tmp_path: Path) -> None:
+    """spec.trainer.activationCheckpointing on the FSDP2-sharded model: every decoder layer runs again in the
+    backward pass (its activations were not kept), and the step ends on the same weights as without."""
+    model = create_tiny_llama(tmp_path / "model")
+    out = tmp_path / "results.pt"
+    mp.spawn(_learn_with_and_without_activation_checkpointing, args=(str(model), str(out)), nprocs=1)
+    results = torch.load(out, weights_only=False)
+    kept, recomputed = results[False], results[True]
+    assert kept["calls"] > 0 and recomputed["calls"] == 2 * kept["calls"], (kept["calls"], recomputed["calls"])
+    assert_same_weights(recomputed["weights"], kept["weights"])
+    base = tiny(tmp_path / "model").state_dict()
+    assert any(not torch.equal(t, base[n]) for n, t in kept["weights"].items()), "the step moved the weights"
 
 
 def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_number_of_ranks(tmp_path: Path) -> None:
