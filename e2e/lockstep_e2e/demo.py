@@ -101,6 +101,7 @@ def main() -> None:
                 workdir,
                 name=JOB,
                 steps=options.steps,
+                timeout=300.0 + 10.0 * options.steps,  # about 2 s a step here, and vLLM's start
                 progress=step,
                 preflight={"enabled": True},
                 text=True,

@@ -31,6 +31,8 @@ from lockstep_workers import text_task
 from lockstep_workers.tiny_model import create_tiny_llama
 
 UPDATE_LINE = re.compile(r"weight update done: (\{.*\})")
+LOG_TAIL_LINES = 25
+"""Lines of each pod's log that a run which did not finish reports."""
 TEXT_TASK_DATASET = REPO / "examples" / "datasets" / "larger"
 TEXT_TASK = {
     "reward": "lockstep_workers.rewards:math_exact_match",
@@ -107,17 +109,17 @@ def run_tiny_rl_job(
     steps: int = 20,
     actors: int = 2,
     trainers: int = 2,
-    timeout: float = 900.0,
+    timeout: float = 780.0,
     progress: Callable[[str], None] = print,
     watch: Callable[[dict[str, Any], JobPods], None] | None = None,
     before_start: Callable[[dict[str, Any]], None] | None = None,
     text: bool = False,
     **spec: Any,
 ) -> RunResult:
-    """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec
-    fields; ``text``: the text task), run its pods until it finishes (or ``timeout``; ``before_start`` sees the job
-    once its pods exist, before their containers start; ``watch`` sees the job and its pods every second), and collect
-    what it recorded. With
+    """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec fields;
+    ``text``: the text task), run its pods until it finishes, and collect what it recorded. ``timeout`` is below
+    pytest's 900 s, so that a stalled run fails with the ending of every pod's log; ``before_start`` sees the job once
+    its pods exist, before their containers start; ``watch`` sees the job and its pods every second. With
     ``preflight: {enabled: true}`` the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
     model = text_task.create_model(workdir / "model") if text else create_tiny_llama(workdir / "model")
@@ -165,7 +167,9 @@ def run_tiny_rl_job(
                 with contextlib.suppress(OSError):
                     scraped[pod] = scrape(url)
             if time.monotonic() - started > timeout:
-                raise TimeoutError(f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}")
+                raise TimeoutError(
+                    f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}, ending:\n{_tails(logs)}"
+                )
             records = _records(metrics)
             for record in records[reported:]:
                 evaluated = f"eval reward {record[EVAL]:.3f} (v{record['step'] - 1}), " if EVAL in record else ""
@@ -183,6 +187,15 @@ def run_tiny_rl_job(
         for pod in (f"{name}-actor-{i}" for i in range(actors))
     }
     return RunResult(job, _records(metrics), updates, scraped, time.monotonic() - started)
+
+
+def _tails(logs: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of every pod's log in ``logs``: what a run that stalled shows where only the test's
+    output is kept (CI)."""
+    return "\n".join(
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        for log in sorted(logs.glob("*.log"))
+    )
 
 
 def _records(candidates: list[Path]) -> list[dict[str, Any]]:
