@@ -133,11 +133,11 @@ def restore(env: PodEnvironment, causal_lm: torch.nn.Module, optimizer: torch.op
     if resumed.checkpoint is not None:
         checkpoint.load(checkpoint.step_path(env.checkpoints_dir, resumed.checkpoint), causal_lm, optimizer, device)
     if resumed.weights is not None:
-        published = dict(tensors(resumed.weights)) if env.rank == 0 else {}
-        unexpected = set(published) - set(causal_lm.state_dict())
+        whole = dict(tensors(resumed.weights)) if env.rank == 0 else {}
+        unexpected = set(whole) - set(causal_lm.state_dict())
         if unexpected:
             raise ValueError(f"the published weights {resumed.weights} do not fit this model: {sorted(unexpected)[:5]}")
-        sharding.load_full_state_dict(causal_lm, published)
+        sharding.load_full_state_dict(causal_lm, whole)
     return resumed
 
 
