@@ -27,6 +27,9 @@ RELEASE = "lockstep"
 # The chart's templates that hold the operator's RBAC.
 RBAC_TEMPLATES = ("templates/rbac.yaml", "templates/leader-election-rbac.yaml")
 FIELD_MANAGER = "lockstep-e2e"
+PARAMS_NOT_SYNCED = "not yet synced to use for admission"
+"""The API server's 422 for an object that a ValidatingAdmissionPolicy with a paramKind checks before its
+informer for that kind has listed it (it waits 1 s): transient, right after the policy is created."""
 
 
 def manifests(directory: Path = CRD_DIR) -> list[dict[str, Any]]:
@@ -56,7 +59,21 @@ def apply(api: client.ApiClient, documents: list[dict[str, Any]], timeout: float
         _wait(lambda: all(_published(api, crd) for crd in crds), f"the OpenAPI v3 schemas of {kinds}", timeout)
     for document in documents:
         if document not in crds:
+            _apply_once_admission_is_ready(api, document, timeout)
+
+
+def _apply_once_admission_is_ready(api: client.ApiClient, document: dict[str, Any], timeout: float) -> None:
+    """Server-side apply ``document``, again while the API server answers PARAMS_NOT_SYNCED (a loaded API server
+    can take longer than its 1 s to list a policy's params), up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
             _server_side_apply(api, document)
+            return
+        except dynamic.exceptions.UnprocessibleEntityError as error:
+            if PARAMS_NOT_SYNCED not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _server_side_apply(api: client.ApiClient, document: dict[str, Any]) -> None:
