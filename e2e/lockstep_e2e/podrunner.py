@@ -223,6 +223,12 @@ class JobPods:
         log = self.logs / f"{name}.log"
         self.running[name] = (uid, run_pod(self.cluster, self.api, self.namespace, name, log, **overrides))
 
+    def log_tails(self) -> str:
+        """The ending of every pod's log (a pod run again appends to the same one): what a run that stalled
+        reports where only the test's output is kept (CI)."""
+        components = {c.log_path: c for c in [*self.retired, *(c for _, c in self.running.values())]}
+        return "\n".join(f"--- {path.name}\n{component.log_tail()}" for path, component in sorted(components.items()))
+
     def kill(self, name: str) -> None:
         """SIGKILL the pod's processes, as a node losing it would."""
         self.running[name][1].send(signal.SIGKILL)

@@ -31,8 +31,6 @@ from lockstep_workers import text_task
 from lockstep_workers.tiny_model import create_tiny_llama
 
 UPDATE_LINE = re.compile(r"weight update done: (\{.*\})")
-LOG_TAIL_LINES = 25
-"""Lines of each pod's log that a run which did not finish reports."""
 TEXT_TASK_DATASET = REPO / "examples" / "datasets" / "larger"
 TEXT_TASK = {
     "reward": "lockstep_workers.rewards:math_exact_match",
@@ -168,7 +166,8 @@ def run_tiny_rl_job(
                     scraped[pod] = scrape(url)
             if time.monotonic() - started > timeout:
                 raise TimeoutError(
-                    f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}, ending:\n{_tails(logs)}"
+                    f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}, ending:\n"
+                    + pods.log_tails()
                 )
             records = _records(metrics)
             for record in records[reported:]:
@@ -187,15 +186,6 @@ def run_tiny_rl_job(
         for pod in (f"{name}-actor-{i}" for i in range(actors))
     }
     return RunResult(job, _records(metrics), updates, scraped, time.monotonic() - started)
-
-
-def _tails(logs: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of every pod's log in ``logs``: what a run that stalled shows where only the test's
-    output is kept (CI)."""
-    return "\n".join(
-        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-        for log in sorted(logs.glob("*.log"))
-    )
 
 
 def _records(candidates: list[Path]) -> list[dict[str, Any]]:
