@@ -32,9 +32,32 @@ BAD_SPECS = {
     "too few prompts": {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
     "no actors": {"actors": {"image": "a", "replicas": 0}},
     "bad quantity": {"actors": {"image": "a", "resources": {"limits": {"cpu": "lots"}}}},
+    "reserved env": {
+        "actors": {
+            "image": "a",
+            "env": [
+                {"name": "LOCKSTEP_CONFIG", "value": "/var/tmp/mine.json"},
+                {"name": "LOCKSTEP_SHARED_DIR", "value": "/"},
+            ],
+        }
+    },
+    "reserved mount": {
+        "trainer": {
+            "image": "t",
+            "reward": "m:f",
+            "volumes": [{"name": "lockstep-mine", "emptyDir": {}}],
+            "volumeMounts": [{"name": "lockstep-mine", "mountPath": "/etc/../etc/lockstep"}],
+        }
+    },
     "bad env": {"trainer": {"image": "t", "reward": "m:f", "env": [{"name": "MY VAR", "value": "1"}, {"value": "2"}]}},
 }
 BAD_NAMES = {"dotted name": "my.job"}
+GOOD_SPECS = {
+    "a whole number written as a float": {"trainer": {"image": "t", "reward": "m:f", "rollout": {"maxTokens": 16.0}}},
+    "a dataset file name over 255 characters": {
+        "trainer": {"image": "t", "reward": "m:f", "dataset": {"train": f"/tmp/{'x' * 300}.jsonl"}}
+    },
+}
 
 
 def lockstep_cli(*args: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -58,20 +81,7 @@ def test_validate_says_what_the_api_server_says(
     lines = [line.strip() for line in offline.stdout.splitlines()[1:]]
     assert lines, offline.stdout
 
-    applied = subprocess.run(
-        [
-            str(build.bin_dir() / "kubectl"),
-            f"--kubeconfig={cluster.kubeconfig}",
-            "create",
-            "-n",
-            namespace,
-            "-f",
-            str(manifest),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    applied = kubectl_create(cluster, namespace, manifest)
     assert applied.returncode != 0, "the API server accepted what validate refused"
     # The API server lists every schema error, but stops at the first refusing admission validation
     # (keys in VllmSettings order); validate lists every conflict, in that order.
@@ -81,6 +91,29 @@ def test_validate_says_what_the_api_server_says(
         said = lines[:1]
     for line in said:
         assert line in applied.stderr, f"{line!r} is not what the API server said:\n{applied.stderr}"
+
+
+def kubectl_create(
+    cluster: LocalCluster, namespace: str, manifest: Path, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    command = [str(build.bin_dir() / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "create", "-n", namespace]
+    return subprocess.run([*command, *flags, "-f", str(manifest)], capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize("case", GOOD_SPECS)
+def test_validate_accepts_what_the_api_server_accepts(
+    cluster: LocalCluster, namespace: str, tmp_path: Path, case: str
+) -> None:
+    """Issue 21 item 9: validate neither refuses what the API server takes nor prints a traceback for it."""
+    body: dict[str, Any] = rljob("good")
+    body["spec"].update(GOOD_SPECS[case])
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    applied = kubectl_create(cluster, namespace, manifest, "--dry-run=server")
+    assert applied.returncode == 0, applied.stderr
+    offline = lockstep_cli("validate", str(manifest))
+    assert offline.returncode == 0, offline.stdout + offline.stderr
+    assert "Traceback" not in offline.stderr and offline.stdout.splitlines()[-1].startswith(f"{manifest}: valid")
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -24,13 +24,13 @@ RBAC = "rbac.authorization.k8s.io"
 OWN_KEYS = ", ".join(admission.POD_KEYS)
 
 
-def refused(call: Callable[[], Any]) -> str:
-    """Run ``call``, which the barrier policy must refuse with 403 Forbidden; the rule it names."""
+def refused(call: Callable[[], Any], policy: str = admission.BARRIER_POLICY) -> str:
+    """Run ``call``, which ``policy`` must refuse with 403 Forbidden; the rule it names."""
     with pytest.raises(ApiException) as error:
         call()
     status = json.loads(error.value.body)
     assert (error.value.status, status["reason"]) == (403, "Forbidden"), error.value.body
-    prefix = f"ValidatingAdmissionPolicy '{admission.BARRIER_POLICY}' with binding '{admission.BARRIER_POLICY}' "
+    prefix = f"ValidatingAdmissionPolicy '{policy}' with binding '{policy}' "
     assert prefix + "denied request: " in status["message"], status["message"]
     message: str = status["message"]
     return message[message.index("denied request: ") + len("denied request: ") :]
@@ -41,15 +41,16 @@ def annotate(core: client.CoreV1Api, namespace: str, pod: str, values: dict[str,
     return lambda: core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": values}})
 
 
-def pod_rbac(namespace: str, subject: dict[str, str], verbs: list[str]) -> list[dict[str, Any]]:
-    """A Role granting ``verbs`` on every pod of ``namespace`` to ``subject``, and its binding."""
-    name = f"e2e-{subject['name']}"
+def pod_rbac(namespace: str, subject: dict[str, str], verbs: list[str], resource: str = "pods") -> list[dict[str, Any]]:
+    """A Role granting ``verbs`` on ``resource`` (pods, or a subresource such as pods/status) of every pod of
+    ``namespace`` to ``subject``, and its binding."""
+    name = f"e2e-{subject['name']}-{resource.replace('/', '-')}"
     return [
         {
             "apiVersion": f"{RBAC}/v1",
             "kind": "Role",
             "metadata": {"name": name, "namespace": namespace},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": verbs}],
+            "rules": [{"apiGroups": [""], "resources": [resource], "verbs": verbs}],
         },
         {
             "apiVersion": f"{RBAC}/v1",
@@ -142,6 +143,96 @@ def test_a_pod_token_may_not_create_or_delete_lockstep_pods_whatever_rbac_grants
     message = refused(lambda: as_actor.create_namespaced_pod(namespace, impostor))
     assert message.startswith(f"{rule} CREATE pod {namespace}/fj3-actor-9: {token} (uid "), message
     assert read_pod(kube, namespace, "fj3-trainer-0")["metadata"].get("deletionTimestamp") is None
+
+
+def test_the_status_subresource_writes_no_barrier_key_and_no_managed_by_label(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue 21 item 1: a write through pods/status keeps the label and annotation changes it carries. A service
+    account granted only get/patch/update on pods/status, as kubelets and readiness-gate controllers are, may write
+    status and nothing of the barrier; a pod's own token may not write its status."""
+    actor = running_job(kube, namespace, "sub", 1)[0]
+    trainer = "sub-trainer-0"
+    core = client.CoreV1Api(kube)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "status-writer"}})
+    subject = {"kind": "ServiceAccount", "name": "status-writer", "namespace": namespace}
+    apply(kube, pod_rbac(namespace, subject, ["get", "patch", "update"], "pods/status"))
+    writer = client.CoreV1Api(token_client(kube, service_account_token(kube, namespace, "status-writer", seconds=600)))
+    caller = f"system:serviceaccount:{namespace}:status-writer (through pods/status)"
+
+    def status_patch(pod: str, metadata: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: writer.patch_namespaced_pod_status(pod, namespace, {"metadata": metadata})
+
+    weights = json.dumps({"protocol": PROTOCOL, "version": 77, "uri": "file:///x/v77", "digest": "sha256:0"})
+    command = json.dumps({"protocol": PROTOCOL, "id": "forged/77/1", "version": 77, "phase": "Update"})
+    ack = json.dumps({"protocol": PROTOCOL, "id": "forged/77/1", "phase": "Updated", "loadedVersion": 77})
+    assert refused(status_patch(trainer, {"annotations": {keys.WEIGHTS: weights}})) == (
+        f"{keys.WEIGHTS} on pod {trainer} may be written only by that pod itself (a service-account token bound to "
+        f"it), not by {caller}; a token is bound to a pod when its namespace, pod name and pod UID all match the pod"
+    )
+    assert refused(status_patch(actor, {"annotations": {keys.BARRIER: command}})) == (
+        f"{keys.BARRIER} may be written only by the Lockstep operator ({keys.OPERATOR_USERNAME}), or by a member of "
+        f"group {keys.BREAK_GLASS_GROUP}, not by {caller}"
+    )
+    assert refused(status_patch(actor, {"annotations": {keys.BARRIER_ACK: ack}})).startswith(
+        f"{keys.BARRIER_ACK} on pod {actor} may be written only by that pod itself"
+    )
+    assert refused(status_patch(actor, {"labels": {keys.MANAGED_BY: None}})) == (
+        f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/{actor}) marks a pod as managed by Lockstep: "
+        f"only the Lockstep operator ({keys.OPERATOR_USERNAME}) sets or removes it, or a member of group "
+        f"{keys.BREAK_GLASS_GROUP}, not {caller}"
+    )
+    # What pods/status is for stays the writer's (RBAC grants it; admission has no say).
+    checked = {"conditions": [{"type": "e2e.example/Checked", "status": "True"}]}
+    writer.patch_namespaced_pod_status(actor, namespace, {"status": checked})
+
+    # A pod's own token, even where RBAC grants it pods/status, changes nothing there but its own annotations.
+    worker = {"kind": "ServiceAccount", "name": "sub-worker", "namespace": namespace}
+    apply(kube, pod_rbac(namespace, worker, ["get", "patch"], "pods/status"))
+    as_actor = client.CoreV1Api(pod_client(kube, namespace, actor))
+    failed = {"status": {"phase": "Failed"}}
+    assert refused(lambda: as_actor.patch_namespaced_pod_status(actor, namespace, failed)) == (
+        f"pod {namespace}/{actor} may change only its own annotations ({OWN_KEYS}) with its token, not status"
+    )
+
+    for pod in (actor, trainer):
+        found = annotations(kube, namespace, pod)
+        assert not {keys.WEIGHTS, keys.BARRIER, keys.BARRIER_ACK} & set(found), found
+    assert read_pod(kube, namespace, actor)["metadata"]["labels"][keys.MANAGED_BY] == keys.MANAGER
+    assert read_pod(kube, namespace, actor)["status"]["phase"] == "Running"
+    status = get_job(kube, namespace, "sub")["status"]
+    assert not status.get("barrier") and status.get("weightsVersion") is None, status
+
+
+def test_a_pod_binding_carries_no_barrier_key_onto_the_pod(kube: client.ApiClient, namespace: str) -> None:
+    """Issue 21 item 1, pods/binding: the API server copies a Binding's annotations onto the pod it binds, so a
+    binding that carries a barrier key (or the managed-by label) is refused; an ordinary binding passes."""
+    core = client.CoreV1Api(kube)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "binder"}})
+    subject = {"kind": "ServiceAccount", "name": "binder", "namespace": namespace}
+    apply(kube, pod_rbac(namespace, subject, ["create"], "pods/binding"))
+    binder = client.CoreV1Api(token_client(kube, service_account_token(kube, namespace, "binder", seconds=600)))
+    for name in ("unbound-a", "unbound-b"):
+        core.create_namespaced_pod(
+            namespace, {**bare_pod(name), "spec": {**bare_pod(name)["spec"], "schedulerName": "e2e-none"}}
+        )
+    node = core.list_node().items[0].metadata.name
+    command = json.dumps({"protocol": PROTOCOL, "id": "forged/5/1", "version": 5, "phase": "Update"})
+
+    def bind(pod: str, metadata: dict[str, Any]) -> Callable[[], Any]:
+        body = {"metadata": {"name": pod, **metadata}, "target": {"kind": "Node", "name": node}}
+        return lambda: binder.create_namespaced_pod_binding(pod, namespace, body, _preload_content=False)
+
+    forged = {"annotations": {keys.BARRIER: command}, "labels": {keys.MANAGED_BY: keys.MANAGER}}
+    assert refused(bind("unbound-a", forged), admission.BINDING_POLICY) == (
+        f"a pods/binding copies its annotations and labels onto the pod it binds ({namespace}/unbound-a): "
+        f"{keys.BARRIER}, {keys.MANAGED_BY} may be set only by the Lockstep operator ({keys.OPERATOR_USERNAME}) or a "
+        f"member of group {keys.BREAK_GLASS_GROUP}, not by system:serviceaccount:{namespace}:binder; bind the pod "
+        "without them"
+    )
+    assert not read_pod(kube, namespace, "unbound-a")["spec"].get("nodeName")
+    bind("unbound-b", {"annotations": {"team": "e2e"}})()
+    assert read_pod(kube, namespace, "unbound-b")["spec"]["nodeName"] == node
 
 
 def test_a_token_is_a_pod_own_only_with_its_namespace_name_and_uid(kube: client.ApiClient, namespace: str) -> None:

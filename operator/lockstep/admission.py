@@ -262,17 +262,35 @@ def _extra(key: str) -> str:
     return f"has({extra}) && '{key}' in {extra} && size({extra}['{key}']) > 0 ? {extra}['{key}'][0] : ''"
 
 
+_IS_BREAK_GLASS = f"has(request.userInfo.groups) && '{keys.BREAK_GLASS_GROUP}' in request.userInfo.groups"
+"""CEL: the caller is a member of the break-glass group."""
+
+_VIA = (
+    "(has(request.subResource) && request.subResource != '' ? "
+    "' (through ' + request.resource.resource + '/' + request.subResource + ')' : '')"
+)
+"""CEL: the subresource a request writes through, for the messages (' (through pods/status)'), else ''."""
+
+
 def _cel_list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{item}'" for item in items) + "]"
 
 
+POD_SUBRESOURCES = ("status",)
+"""The pod subresources whose writes keep metadata changes (the status strategy resets only the spec and owner
+references): the barrier policy covers them as it covers the pod itself. ``binding`` copies its own annotations and
+labels onto the pod, and has its own policy (``binding_policy``); the others (``ephemeralcontainers``, ``resize``,
+``eviction``, ``exec``, ...) change no metadata."""
+
+
 def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str, Any]:
-    """Who may change what on a pod Lockstep manages (labelled before or after the request).
+    """Who may change what on a pod Lockstep manages (labelled before or after the request), through the pod or
+    any subresource that keeps metadata changes (``POD_SUBRESOURCES``).
 
     - ``OPERATOR_KEYS``: only ``operator_username``;
     - ``POD_KEYS``: only the pod itself, as a token bound to it (same namespace, pod name and pod UID) proves;
     - a token bound to a pod (other than the operator's) may only UPDATE its own pod, and change nothing but its
-      ``POD_KEYS`` on it: no spec, no labels, no other annotations, owner references or finalizers;
+      ``POD_KEYS`` on it: no spec, no status, no labels, no other annotations, owner references or finalizers;
     - the managed-by label (what makes a pod Lockstep's, so also creating such a pod): only the operator;
     - members of ``keys.BREAK_GLASS_GROUP`` may do all of it. Anything else is left to RBAC.
     """
@@ -281,10 +299,7 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
         ("annotationChanges", _changed_keys("annotations")),
         ("labelChanges", _changed_keys("labels")),
         ("isOperator", f"request.userInfo.username == '{operator_username}'"),
-        (
-            "isBreakGlass",
-            f"has(request.userInfo.groups) && '{keys.BREAK_GLASS_GROUP}' in request.userInfo.groups",
-        ),
+        ("isBreakGlass", _IS_BREAK_GLASS),
         ("podName", _extra(keys.POD_NAME_EXTRA)),
         ("podUid", _extra(keys.POD_UID_EXTRA)),
         ("isPod", "variables.podName != '' && !variables.isOperator && !variables.isBreakGlass"),
@@ -296,14 +311,14 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
         ),
         (
             "podChanges",
-            "(object.spec == oldObject.spec ? [] : ['spec']) + "
+            "(object.spec == oldObject.spec ? [] : ['spec']) + (object.status == oldObject.status ? [] : ['status']) + "
             "variables.labelChanges.map(k, 'metadata.labels[' + k + ']') + "
             f"variables.annotationChanges.filter(k, !(k in {own})).map(k, 'metadata.annotations[' + k + ']') + "
             f"({_same('ownerReferences')} ? [] : ['metadata.ownerReferences']) + "
             f"({_same('finalizers')} ? [] : ['metadata.finalizers'])",
         ),
     ]
-    caller = "request.userInfo.username"
+    caller = f"request.userInfo.username + {_VIA}"
     by_operator = "variables.isOperator || variables.isBreakGlass"
     token = "' for pod ' + variables.podName + ' (uid ' + variables.podUid + ')'"
     operator_only = [
@@ -362,7 +377,7 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
                         "apiGroups": [""],
                         "apiVersions": ["v1"],
                         "operations": ["CREATE", "UPDATE", "DELETE"],
-                        "resources": ["pods"],
+                        "resources": ["pods", *(f"pods/{name}" for name in POD_SUBRESOURCES)],
                     }
                 ]
             },
@@ -376,12 +391,67 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
     }
 
 
-def barrier_manifests(operator_username: str = keys.OPERATOR_USERNAME) -> list[dict[str, Any]]:
-    """The barrier policy and its binding."""
-    binding = {
+BINDING_POLICY = "lockstep-pod-binding-metadata"
+BINDING_KEYS = (*OPERATOR_KEYS, *POD_KEYS)
+"""Annotations a pods/binding may not carry: the API server copies a Binding's annotations onto the pod it binds."""
+
+
+def binding_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str, Any]:
+    """Refuse a pods/binding that carries a barrier annotation (``BINDING_KEYS``) or the managed-by label, unless
+    the operator or break glass sends it.
+
+    Binding a pod (what the scheduler does, once) copies the Binding's annotations, and labels, onto the pod. The
+    request's object is the Binding, not the pod, so this cannot tell whether the pod is Lockstep's: it refuses those
+    keys on every binding. No scheduler sets them.
+    """
+    carried = (
+        f"(has(object.metadata.annotations) ? object.metadata.annotations.filter(k, k in {_cel_list(BINDING_KEYS)}) "
+        f": []) + (has(object.metadata.labels) && '{keys.MANAGED_BY}' in object.metadata.labels ? "
+        f"['{keys.MANAGED_BY}'] : [])"
+    )
+    by_operator = f"request.userInfo.username == '{operator_username}' || ({_IS_BREAK_GLASS})"
+    return {
+        "apiVersion": ADMISSION_API_VERSION,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": BINDING_POLICY},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding"]}
+                ]
+            },
+            "matchConditions": [{"name": "carries-lockstep-keys", "expression": f"size({carried}) > 0"}],
+            "variables": [{"name": "carried", "expression": carried}],
+            "validations": [
+                {
+                    "expression": by_operator,
+                    "messageExpression": "'a pods/binding copies its annotations and labels onto the pod it binds ('"
+                    " + request.namespace + '/' + object.metadata.name + '): ' + variables.carried.join(', ') + "
+                    f"' may be set only by the Lockstep operator ({operator_username}) or a member of group "
+                    f"{keys.BREAK_GLASS_GROUP}, not by ' + request.userInfo.username + '; bind the pod without them'",
+                    "reason": "Forbidden",
+                }
+            ],
+        },
+    }
+
+
+def _deny_binding(policy: str) -> dict[str, Any]:
+    """The binding that applies ``policy`` everywhere, denying what it refuses."""
+    return {
         "apiVersion": ADMISSION_API_VERSION,
         "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": BARRIER_POLICY},
-        "spec": {"policyName": BARRIER_POLICY, "validationActions": ["Deny"]},
+        "metadata": {"name": policy},
+        "spec": {"policyName": policy, "validationActions": ["Deny"]},
     }
-    return [barrier_policy(operator_username), binding]
+
+
+def barrier_manifests(operator_username: str = keys.OPERATOR_USERNAME) -> list[dict[str, Any]]:
+    """The barrier policy, the pods/binding policy, and their bindings."""
+    return [
+        barrier_policy(operator_username),
+        _deny_binding(BARRIER_POLICY),
+        binding_policy(operator_username),
+        _deny_binding(BINDING_POLICY),
+    ]

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 
+from lockstep import environment
 from lockstep.protocol import BarrierPhase, Command, EvalResult, Mismatch, PreflightResult, TransferGroup, Weights
 from lockstep.schema import OPAQUE_LIST, OPAQUE_OBJECT, Model
 
@@ -22,9 +23,19 @@ RLJOBS = "rljobs"
 PARITY_POLICIES = "paritypolicies"
 
 
-def cel(rule: str, message: str, *, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
-    """One x-kubernetes-validations entry."""
+def cel(
+    rule: str,
+    message: str,
+    *,
+    field_path: str | None = None,
+    reason: str | None = None,
+    message_expression: str | None = None,
+) -> dict[str, str]:
+    """One x-kubernetes-validations entry (``message_expression``: CEL that words the message from ``self``;
+    ``message`` is the API server's fallback when that fails)."""
     entry = {"rule": rule, "message": message}
+    if message_expression:
+        entry["messageExpression"] = message_expression
     if field_path:
         entry["fieldPath"] = field_path
     if reason:
@@ -224,6 +235,51 @@ Quantity = Annotated[
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 
 
+def _cel_strings(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{item}'" for item in items) + "]"
+
+
+RESERVED_ENV_RULE = cel(
+    f"!self.startsWith('{environment.RESERVED_PREFIX}') && !(self in {_cel_strings(environment.RESERVED_NAMES)})",
+    "the Lockstep operator sets this variable itself; remove it from env",
+    message_expression=f"self + '{environment.RESERVED_ENV_WHY}'",
+)
+"""The job's env may not take over a variable the operator sets (``environment.reserved_env``)."""
+
+
+def _reserved_mount_cel(mount: str) -> str:
+    """CEL: ``environment.reserved_mount`` of ``<mount>.mountPath`` (an absent mountPath is the API server's)."""
+    path = f"{mount}.mountPath"
+    absolute = f"({path}.startsWith('/') ? {path} : '/' + {path})"
+    unclean = [f"{absolute}.contains('{part}')" for part in environment.UNCLEAN_PATH_PARTS]
+    unclean += [f"{absolute}.endsWith('{ending}')" for ending in environment.UNCLEAN_PATH_ENDINGS]
+    under = [f"{absolute} == '{root}' || {absolute}.startsWith('{root}/')" for root in environment.RESERVED_MOUNTS]
+    return f"has({path}) && ({' || '.join(unclean + under)})"
+
+
+RESERVED_MOUNT_RULE = cel(
+    f"!self.exists(m, {_reserved_mount_cel('m')})",
+    "a mountPath is the Lockstep operator's own, or not written plainly; mount elsewhere",
+    message_expression=f"'mountPath ' + self.filter(m, {_reserved_mount_cel('m')}).map(m, m.mountPath).join(', ') "
+    f"+ '{environment.RESERVED_MOUNT_WHY}'",
+)
+"""The job's volumeMounts may not cover the operator's own mounts (``environment.reserved_mount``)."""
+_RESERVED_VOLUME_CEL = f"has(v.name) && v.name.startsWith('{environment.RESERVED_VOLUME_PREFIX}')"
+RESERVED_VOLUME_RULE = cel(
+    f"!self.exists(v, {_RESERVED_VOLUME_CEL})",
+    f"volume names starting with {environment.RESERVED_VOLUME_PREFIX} are the Lockstep operator's; rename the volume",
+    message_expression=f"'volume ' + self.filter(v, {_RESERVED_VOLUME_CEL}).map(v, v.name).join(', ') + "
+    f"'{environment.RESERVED_VOLUME_WHY}'",
+)
+
+
+def _passed_through(rule: dict[str, str], key: str, description: str) -> dict[str, Any]:
+    """A list of core objects passed through to pods as they are, with ``key`` (a string, ``description``)
+    declared so that ``rule`` can read it."""
+    item = {**OPAQUE_OBJECT, "properties": {key: {"type": "string", "description": description}}}
+    return {"type": "array", "items": item, **validations(rule)}
+
+
 class Resources(Model):
     """Compute resources of the role's container, as in a pod (quantities checked when the RLJob is applied)."""
 
@@ -239,7 +295,11 @@ class Resources(Model):
 class EnvVar(Model):
     """An environment variable of the role's container, as in a pod: a value, or valueFrom a source."""
 
-    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN)] = Field(description="The variable's name.")
+    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN)] = Field(
+        description="The variable's name; not one the operator sets (LOCKSTEP_*, POD_NAME, POD_NAMESPACE, and the "
+        "torch.distributed rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK).",
+        json_schema_extra=validations(RESERVED_ENV_RULE),
+    )
     value: str | None = Field(None, description="The value; unset with valueFrom.")
     value_from: dict[str, Any] | None = Field(
         None,
@@ -266,14 +326,18 @@ class PodOverrides(Model):
     )
     volumes: list[dict[str, Any]] | None = Field(
         None,
-        description="Volumes added to the role's pods, as in a pod (e.g. the model's, at spec.model.uri).",
-        json_schema_extra=OPAQUE_LIST,
+        description="Volumes added to the role's pods, as in a pod (e.g. the model's, at spec.model.uri); names "
+        "starting with lockstep- are the operator's.",
+        json_schema_extra=_passed_through(RESERVED_VOLUME_RULE, "name", "The volume's name, as in a pod."),
     )
     volume_mounts: list[dict[str, Any]] | None = Field(
         None,
         description="Mounts of those volumes in the role's container, as in a pod. The operator mounts "
-        "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself.",
-        json_schema_extra=OPAQUE_LIST,
+        "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself: nothing "
+        "may be mounted at or under them.",
+        json_schema_extra=_passed_through(
+            RESERVED_MOUNT_RULE, "mountPath", "Where the volume appears in the container, as in a pod."
+        ),
     )
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -44,9 +45,23 @@ def _schema_at(path: tuple[str | int, ...]) -> dict[str, Any]:
     return node
 
 
+def decoded(value: Any, node: dict[str, Any]) -> Any:
+    """``value`` as the API server reads it against the structural schema ``node``: a whole number written as a
+    float (``16.0``) where the schema says integer is that integer; everything else as it is."""
+    if isinstance(value, float) and value.is_integer() and node.get("type") == "integer":
+        return int(value)
+    if isinstance(value, dict):
+        properties, rest = node.get("properties", {}), node.get("additionalProperties")
+        return {k: decoded(v, properties.get(k) or (rest if isinstance(rest, dict) else {})) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decoded(item, node.get("items") or {}) for item in value]
+    return value
+
+
 def schema_errors(spec: dict[str, Any]) -> list[str]:
     """What the API server says of an invalid spec, one line per field, in its own words: the schema,
     then the CRD's CEL rules on the defaulted spec."""
+    spec = decoded(spec, crds.structural_schema(RLJobSpec))
     try:
         validated = RLJobSpec.model_validate_json(json.dumps(spec), strict=True)
     except ValidationError as error:
@@ -58,23 +73,43 @@ def schema_errors(spec: dict[str, Any]) -> list[str]:
 def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[str]:
     """The x-kubernetes-validations rules at ``node`` and below that ``value`` breaks (transition rules,
     which compare with oldSelf, need an old object and are left to the API server)."""
-    import celpy
     from celpy.adapter import json_to_cel
+
+    def evaluate(expression: str) -> Any:
+        return _cel_program(expression).evaluate({"self": json_to_cel(value)})
 
     errors = []
     for rule in node.get("x-kubernetes-validations", []):
         if "oldSelf" in rule["rule"]:
             continue
-        environment = celpy.Environment()
-        passed = environment.program(environment.compile(rule["rule"])).evaluate({"self": json_to_cel(value)})
-        if not passed:
+        if not evaluate(rule["rule"]):
             field = path + rule.get("fieldPath", "")
             kind = "Required value" if rule.get("reason") == "FieldValueRequired" else "Invalid value"
-            errors.append(f"{field}: {kind}: {rule['message']}")
+            message = str(evaluate(rule["messageExpression"])) if "messageExpression" in rule else rule["message"]
+            errors.append(f"{field}: {kind}: {message}")
     for name, child in node.get("properties", {}).items():
         if isinstance(value, dict) and name in value:
             errors += _cel_errors(child, value[name], f"{path}.{name}")
+    if isinstance(node.get("items"), dict) and isinstance(value, list):
+        for index, item in enumerate(value):
+            errors += _cel_errors(node["items"], item, f"{path}[{index}]")
     return errors
+
+
+@functools.cache
+def _cel_program(expression: str) -> Any:
+    """``expression`` compiled once, with the functions of Kubernetes' CEL that celpy lacks."""
+    import celpy
+    from celpy import celtypes
+
+    def join(items: Any, separator: Any) -> Any:
+        return celtypes.StringType(str(separator).join(str(item) for item in items))
+
+    def contains(text: Any, part: Any) -> Any:
+        return celtypes.BoolType(str(part) in str(text))
+
+    environment = celpy.Environment()
+    return environment.program(environment.compile(expression), functions={"join": join, "contains": contains})
 
 
 def _api_server_message(error: Any) -> str:
@@ -108,7 +143,12 @@ def _api_server_message(error: Any) -> str:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    document = yaml.safe_load(path.read_text())
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise SystemExit(f"{path}: cannot be read ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        raise SystemExit(f"{path}: not valid YAML ({error})") from None
     if not isinstance(document, dict):
         raise SystemExit(f"{path}: not a YAML mapping")
     return document
@@ -166,15 +206,22 @@ def dataset_problems(dataset: api.Dataset, root: Path | None) -> list[str]:
         print(f"spec.trainer.dataset not checked: install lockstep[workers] to read datasets here ({error})")
         return []
     problems = []
-    for path in filter(None, (dataset.train, dataset.eval)):
-        local = root / path.lstrip("/") if root else Path(path)
-        if not local.exists():
-            print(f"spec.trainer.dataset: {local} is not on this machine; the trainer checks it when it starts")
+    for field, path in (("train", dataset.train), ("eval", dataset.eval)):
+        if path is None:
             continue
+        local = root / path.lstrip("/") if root else Path(path)
         try:
+            if not local.exists():
+                print(f"spec.trainer.dataset: {local} is not on this machine; the trainer checks it when it starts")
+                continue
             read_rows(str(local), dataset)
         except DatasetError as error:
             problems.append(str(error))
+        except OSError as error:  # a name too long for this filesystem, a directory it may not read, ...
+            print(
+                f"spec.trainer.dataset.{field}: {local} cannot be read on this machine ({error.strerror or error}); "
+                "the trainer checks it when it starts"
+            )
     return problems
 
 

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep import keys
+from lockstep import environment, keys
 from lockstep.api import API_VERSION, PodOverrides, RLJobSpec
+from lockstep.environment import CONFIG_FILE, CONFIG_MOUNT, SHARED_MOUNT
 from lockstep.parity import EffectiveConfig, vllm_cli_args
 
 ACTOR_PORT = 8000
@@ -27,9 +28,6 @@ WEIGHTS_GROUP_PORT = 9501
 """Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0."""
 WORKER_UID = 10001
 """The uid and gid Lockstep's worker images run as (images/); the pods' fsGroup, so volumes they write are theirs."""
-CONFIG_MOUNT = "/etc/lockstep"
-CONFIG_FILE = "effective-config.json"
-SHARED_MOUNT = "/var/lib/lockstep"
 GPU = "nvidia.com/gpu"
 
 
@@ -255,8 +253,8 @@ def actor_pod(
     }
     if spec.weight_sync.backend.collective:  # the only manifest server an actor accepts weights from
         container["env"] = [
-            {"name": "LOCKSTEP_WEIGHTS_HOST", "value": trainer_host(job)},
-            {"name": "LOCKSTEP_WEIGHTS_PORT", "value": str(WEIGHTS_PORT)},
+            {"name": environment.WEIGHTS_HOST, "value": trainer_host(job)},
+            {"name": environment.WEIGHTS_PORT, "value": str(WEIGHTS_PORT)},
         ]
     placement = _placement(placements, keys.ACTOR)
     return _pod(job, spec, spec.actors, config, keys.ACTOR, index, container, placement, hostname=None)
@@ -277,24 +275,24 @@ def trainer_pod(
         {"name": "metrics", "containerPort": TRAINER_METRICS_PORT},
     ]
     env = [
-        {"name": "LOCKSTEP_METRICS_PORT", "value": str(TRAINER_METRICS_PORT if rank == 0 else 0)},
-        {"name": "MASTER_ADDR", "value": master},
-        {"name": "MASTER_PORT", "value": str(TRAINER_PORT)},
-        {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
-        {"name": "RANK", "value": str(rank)},
-        {"name": "LOCKSTEP_ACTORS_SERVICE", "value": actor_service_name(job.name)},
+        {"name": environment.METRICS_PORT, "value": str(TRAINER_METRICS_PORT if rank == 0 else 0)},
+        {"name": environment.MASTER_ADDR, "value": master},
+        {"name": environment.MASTER_PORT, "value": str(TRAINER_PORT)},
+        {"name": environment.WORLD_SIZE, "value": str(spec.trainer.replicas)},
+        {"name": environment.RANK, "value": str(rank)},
+        {"name": environment.ACTORS_SERVICE, "value": actor_service_name(job.name)},
     ]
     if requests_gpu(spec.trainer):  # one rank per pod: it computes on the pod's first GPU
-        env.append({"name": "LOCAL_RANK", "value": "0"})
+        env.append({"name": environment.LOCAL_RANK, "value": "0"})
     if spec.weight_sync.backend.collective:  # rank 0 sends the weights: the actors reach it here
         ports += [
             {"name": "weights", "containerPort": WEIGHTS_PORT},
             {"name": "weights-group", "containerPort": WEIGHTS_GROUP_PORT},
         ]
         env += [
-            {"name": "LOCKSTEP_WEIGHTS_HOST", "value": master},
-            {"name": "LOCKSTEP_WEIGHTS_PORT", "value": str(WEIGHTS_PORT)},
-            {"name": "LOCKSTEP_WEIGHTS_GROUP_PORT", "value": str(WEIGHTS_GROUP_PORT)},
+            {"name": environment.WEIGHTS_HOST, "value": master},
+            {"name": environment.WEIGHTS_PORT, "value": str(WEIGHTS_PORT)},
+            {"name": environment.WEIGHTS_GROUP_PORT, "value": str(WEIGHTS_GROUP_PORT)},
         ]
     container = {
         "name": keys.TRAINER,
@@ -326,12 +324,12 @@ def _pod(
     name = pod_name(job.name, role, index)
     env = [
         *container.pop("env", []),
-        {"name": "LOCKSTEP_JOB", "value": job.name},
-        {"name": "LOCKSTEP_ROLE", "value": role},
-        {"name": "LOCKSTEP_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
-        {"name": "LOCKSTEP_WEIGHT_SYNC", "value": spec.weight_sync.backend.value},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": environment.JOB, "value": job.name},
+        {"name": environment.ROLE, "value": role},
+        {"name": environment.CONFIG, "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
+        {"name": environment.WEIGHT_SYNC, "value": spec.weight_sync.backend.value},
+        {"name": environment.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": environment.POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     mounts = [{"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}}]
@@ -344,7 +342,7 @@ def _pod(
         # The trainer writes weights here; the other pods only read them.
         mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role != keys.TRAINER})
         volumes.append({"name": "lockstep-shared", **shared})
-        env.append({"name": "LOCKSTEP_SHARED_DIR", "value": f"{SHARED_MOUNT}/{job.uid}"})
+        env.append({"name": environment.SHARED_DIR, "value": f"{SHARED_MOUNT}/{job.uid}"})
     container = {
         **container,
         "env": [*env, *(variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or [])],

@@ -40,9 +40,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
+from lockstep import environment
 from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
 from lockstep.protocol import TransferGroup, Weights
-from lockstep_workers import environment
 from lockstep_workers.transfer import VLLM_ENGINE, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
 from lockstep_workers.weights import WeightsDirectory, WeightsOrigin, verified_path, weights_directory

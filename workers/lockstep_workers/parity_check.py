@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lockstep import keys
+from lockstep import environment, keys
 from lockstep.api import (
     PREFIX_CACHE_RULE,
     DType,
@@ -45,7 +45,6 @@ from lockstep.api import (
     WeightUpdateSemantics,
 )
 from lockstep.protocol import PreflightResult, Weights, document
-from lockstep_workers import environment
 from lockstep_workers.learner import Policy, Rollout, token_logprobs
 from lockstep_workers.vllm_args import UnsupportedSetting
 

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Gauge
 
-from lockstep import keys
+from lockstep import environment, keys
 from lockstep.api import WeightSyncBackend
 from lockstep.protocol import EvalResult, Mismatch, Weights, document
-from lockstep_workers import environment
 from lockstep_workers.checkpoint import checkpoints_directory
 from lockstep_workers.scoring import RewardInput
 from lockstep_workers.transfer import ManifestServer, Sender

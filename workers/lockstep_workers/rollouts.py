@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
+from lockstep import environment
 from lockstep.desired import ACTOR_PORT_NAME
-from lockstep_workers import environment
 from lockstep_workers.episodes import EpisodeClient, Generation, RolloutFunction, episode_rollout, single_turn
 from lockstep_workers.learner import Rollout, lag_of
 

@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from prometheus_client import start_http_server
 
+from lockstep import environment
 from lockstep.api import DType, MismatchBudget, TrainerParity, Training
 from lockstep.protocol import EvalResult, Mismatch, Weights
-from lockstep_workers import checkpoint, environment, sharding
+from lockstep_workers import checkpoint, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
 from lockstep_workers.episodes import RolloutFunction, single_turn
 from lockstep_workers.learner import Rollout, across_ranks, learn

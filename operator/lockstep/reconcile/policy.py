@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from lockstep import environment
 from lockstep.api import Enforcement, ParityPolicy, Phase, RLJobSpec
 from lockstep.conditions import PARITY_LOCKED, READY
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
@@ -14,12 +15,37 @@ from lockstep.reconcile.reasons import Reason
 
 
 def valid_spec(run: Pass) -> RLJobSpec | None:
-    """The job's spec, or None (Ready=False, InvalidSpec) when it does not parse."""
+    """The job's spec, or None (Ready=False, InvalidSpec) when it does not parse, or when it takes over what the
+    operator sets in its pods (``reserved_settings``: then its pods are deleted too)."""
     try:
-        return RLJobSpec.model_validate(run.observed.job.get("spec") or {})
+        spec = RLJobSpec.model_validate(run.observed.job.get("spec") or {})
     except ValidationError as error:
         run.condition(READY, False, Reason.INVALID_SPEC, f"the RLJob spec is invalid: {error}")
         return None
+    if problems := reserved_settings(spec):
+        run.stop_all_pods("the job's env or mounts take over the operator's own")
+        run.status.phase = Phase.PENDING
+        message = f"the RLJob spec is invalid: {'; '.join(problems)}; no pods run until it is fixed"
+        run.condition(READY, False, Reason.INVALID_SPEC, message)
+        return None
+    return spec
+
+
+def reserved_settings(spec: RLJobSpec) -> list[str]:
+    """Where the job's env, volumes or volumeMounts take over the operator's own (``lockstep.environment``), in the
+    CRD's words. The CRD refuses them; this stops a job that was created before it did, or past its admission."""
+    problems = []
+    for role, overrides in (("actors", spec.actors), ("trainer", spec.trainer)):
+        for index, variable in enumerate(overrides.env or []):
+            if environment.reserved_env(variable.name):
+                problems.append(f"spec.{role}.env[{index}].name: {variable.name}{environment.RESERVED_ENV_WHY}")
+        mounts = [str(m["mountPath"]) for m in overrides.volume_mounts or [] if "mountPath" in m]
+        if taken := [path for path in mounts if environment.reserved_mount(path)]:
+            problems.append(f"spec.{role}.volumeMounts: mountPath {', '.join(taken)}{environment.RESERVED_MOUNT_WHY}")
+        volumes = [str(v["name"]) for v in overrides.volumes or [] if "name" in v]
+        if taken := [name for name in volumes if name.startswith(environment.RESERVED_VOLUME_PREFIX)]:
+            problems.append(f"spec.{role}.volumes: volume {', '.join(taken)}{environment.RESERVED_VOLUME_WHY}")
+    return problems
 
 
 def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:

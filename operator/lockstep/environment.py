@@ -1,0 +1,91 @@
+"""What the operator sets up in the worker pods (operator/lockstep/desired.py) and the workers read: the names of
+the environment variables and the paths of the operator's own mounts, spelled once for both sides.
+
+A job's own ``env`` and ``volumeMounts`` may not take them over (``reserved_env``, ``reserved_mount``; the CRD
+refuses them with the same rule, ``api.RESERVED_ENV_RULE`` and ``api.RESERVED_MOUNT_RULE``): a user's
+``LOCKSTEP_CONFIG`` would otherwise replace the locked configuration the pod reads, behind the fingerprint it
+still carries."""
+
+from __future__ import annotations
+
+CONFIG = "LOCKSTEP_CONFIG"
+"""The job's effective configuration (a JSON file from the job's ConfigMap)."""
+WEIGHT_SYNC = "LOCKSTEP_WEIGHT_SYNC"
+"""spec.weightSync.backend: filesystem, nccl or gloo."""
+SHARED_DIR = "LOCKSTEP_SHARED_DIR"
+"""The job's own directory on the shared volume (<mount>/<job uid>); every pod with the filesystem backend, and
+the trainer with a collective one."""
+WEIGHTS_HOST = "LOCKSTEP_WEIGHTS_HOST"
+"""Collective backends: the name of trainer rank 0, which serves the manifests and sends the weights."""
+WEIGHTS_PORT = "LOCKSTEP_WEIGHTS_PORT"
+"""Collective backends: the port of trainer rank 0's manifest server."""
+WEIGHTS_GROUP_PORT = "LOCKSTEP_WEIGHTS_GROUP_PORT"
+"""Collective backends: the rendezvous port of each barrier's transfer group."""
+ACTORS_SERVICE = "LOCKSTEP_ACTORS_SERVICE"
+"""The trainer: the name of the job's actor Service, whose EndpointSlices list the actors."""
+ACTORS_URL = "LOCKSTEP_ACTORS_URL"
+"""The trainer, outside a cluster (the operator does not set it): the actors' URLs, comma-separated."""
+METRICS_PORT = "LOCKSTEP_METRICS_PORT"
+"""The trainer: where rank 0 serves Prometheus metrics (0: nowhere)."""
+JOB = "LOCKSTEP_JOB"
+ROLE = "LOCKSTEP_ROLE"
+POD_NAME = "POD_NAME"
+POD_NAMESPACE = "POD_NAMESPACE"
+MASTER_ADDR = "MASTER_ADDR"
+"""The trainer: rank 0's stable DNS name (torch.distributed's rendezvous)."""
+MASTER_PORT = "MASTER_PORT"
+RANK = "RANK"
+"""The trainer: this rank (torch.distributed)."""
+WORLD_SIZE = "WORLD_SIZE"
+"""The trainer: how many ranks (spec.trainer.replicas)."""
+LOCAL_RANK = "LOCAL_RANK"
+"""The trainer: which of the pod's GPUs this rank computes on (cuda:<LOCAL_RANK>); set when the pod requests
+nvidia.com/gpu."""
+
+RESERVED_PREFIX = "LOCKSTEP_"
+"""Every variable of this prefix is the operator's (those it sets now, and those it may set later)."""
+RESERVED_NAMES = (POD_NAME, POD_NAMESPACE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK)
+"""The other variables the operator sets: the pod's identity and torch.distributed's rendezvous. It sets no
+NCCL_* variable: those are the job's own."""
+
+CONFIG_MOUNT = "/etc/lockstep"
+"""The job's effective configuration (its ConfigMap), read-only."""
+CONFIG_FILE = "effective-config.json"
+SHARED_MOUNT = "/var/lib/lockstep"
+"""The job's own directory of spec.weightSync.volume is mounted at ``<SHARED_MOUNT>/<job uid>``."""
+RESERVED_MOUNTS = (CONFIG_MOUNT, SHARED_MOUNT)
+"""Paths a job may not mount anything at or under."""
+RESERVED_VOLUME_PREFIX = "lockstep-"
+"""The names of the volumes the operator adds to a pod; a job's own volumes take other names."""
+
+
+RESERVED_ENV_WHY = (
+    f" is set by the Lockstep operator itself (it sets every {RESERVED_PREFIX}* variable and "
+    f"{', '.join(RESERVED_NAMES)}), so a job may not: remove it from env"
+)
+"""Why a job's variable is refused, after its name (the CRD's message and the operator's condition say it alike)."""
+RESERVED_MOUNT_WHY = (
+    f": the Lockstep operator mounts {' and '.join(RESERVED_MOUNTS)} itself, and a job may mount nothing at or under "
+    "them; mount elsewhere, with the path written plainly (no ., .. or //)"
+)
+"""Why a job's mounts are refused, after ``mountPath <their paths>``."""
+RESERVED_VOLUME_WHY = f": names starting with {RESERVED_VOLUME_PREFIX} belong to the Lockstep operator; rename it"
+"""Why a job's volumes are refused, after ``volume <their names>``."""
+
+
+def reserved_env(name: str) -> bool:
+    """Whether the operator sets (or may set) the variable ``name``, so that a job may not."""
+    return name.startswith(RESERVED_PREFIX) or name in RESERVED_NAMES
+
+
+UNCLEAN_PATH_PARTS = ("//", "/./", "/../")
+UNCLEAN_PATH_ENDINGS = ("/.", "/..")
+
+
+def reserved_mount(path: str) -> bool:
+    """Whether a job may not mount anything at ``path``: it is, or is under, one of the operator's mounts, or it is
+    not written plainly (``..``, ``.`` or ``//`` in it, which the container runtime resolves: a plain path is the
+    only one this check can read). A relative path counts from the root, as the runtime takes it."""
+    absolute = path if path.startswith("/") else f"/{path}"
+    unclean = any(part in absolute for part in UNCLEAN_PATH_PARTS) or absolute.endswith(UNCLEAN_PATH_ENDINGS)
+    return unclean or any(absolute == root or absolute.startswith(root + "/") for root in RESERVED_MOUNTS)

@@ -1,0 +1,105 @@
+"""What the operator sets up in its pods stays its own: a job's env, volumes and volumeMounts may not take it over
+(issue 21 item 2). The CRD's CEL rules and the operator's own check say the same, from one list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from factories import NOW, REWARD, job, policy, running
+from lockstep import api, environment
+from lockstep.cli import _cel_errors
+from lockstep.conditions import READY, find
+from lockstep.crds import structural_schema
+from lockstep.reconcile import Observed, reconcile
+
+GPU = {"limits": {"nvidia.com/gpu": 1}}
+
+
+def created_pods(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pods the operator creates for a new job ``body``."""
+    return reconcile(Observed(body, [], [policy()], {}, NOW)).create_pods
+
+
+def rendered_pods() -> list[dict[str, Any]]:
+    """Every pod the operator renders for jobs of each backend, with GPUs and without, and several ranks."""
+    trainer = {"image": "t", "reward": REWARD, "replicas": 2, "resources": GPU}
+    bodies = [
+        job(),
+        job(actors={"image": "a", "replicas": 1, "resources": GPU}, trainer=trainer),
+        job(weightSync={"backend": "gloo"}, trainer=trainer),
+        job(preflight={"enabled": True}),
+    ]
+    return [pod for body in bodies for pod in created_pods(body)]
+
+
+def test_every_variable_the_operator_sets_is_reserved() -> None:
+    names = {e["name"] for pod in rendered_pods() for e in pod["spec"]["containers"][0]["env"]}
+    assert {environment.CONFIG, environment.RANK, environment.MASTER_ADDR, environment.LOCAL_RANK} <= names
+    assert [name for name in sorted(names) if not environment.reserved_env(name)] == []
+
+
+def test_every_mount_and_volume_the_operator_adds_is_reserved() -> None:
+    pods = rendered_pods()
+    paths = {m["mountPath"] for pod in pods for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    # /dev/shm for NCCL is the one a job may bring itself (the operator then adds none).
+    assert [path for path in sorted(paths - {"/dev/shm"}) if not environment.reserved_mount(path)] == []
+    volumes = {v["name"] for pod in pods for v in pod["spec"]["volumes"]}
+    assert all(name.startswith(environment.RESERVED_VOLUME_PREFIX) for name in volumes), volumes
+
+
+def crd_errors(overrides: dict[str, Any]) -> list[str]:
+    """What the CRD's rules (as the API server runs them) say of spec.actors with ``overrides``."""
+    schema = structural_schema(api.RLJobSpec)["properties"]["actors"]
+    return _cel_errors(schema, {"image": "a", **overrides}, "spec.actors")
+
+
+PATH_PARTS = st.sampled_from(["", ".", "..", "etc", "lockstep", "var", "lib", "data", "lockstep2", "x"])
+
+
+@settings(deadline=None)  # the first example compiles the CRD's CEL rules
+@given(st.lists(PATH_PARTS, min_size=1, max_size=6), st.booleans())
+def test_the_crd_and_the_operator_refuse_the_same_mount_paths(parts: list[str], absolute: bool) -> None:
+    path = ("/" if absolute else "") + "/".join(parts)
+    refused = bool(crd_errors({"volumeMounts": [{"name": "v", "mountPath": path}]}))
+    assert refused == environment.reserved_mount(path), path
+
+
+@settings(deadline=None)
+@given(
+    st.sampled_from(["LOCKSTEP_CONFIG", "LOCKSTEP_", "LOCKSTEPX", "RANK", "RANKS", "NCCL_DEBUG", "HOME", "POD_NAME"])
+)
+def test_the_crd_and_the_operator_refuse_the_same_variables(name: str) -> None:
+    refused = bool(crd_errors({"env": [{"name": name, "value": "1"}]}))
+    assert refused == environment.reserved_env(name), name
+
+
+def test_plain_mounts_elsewhere_pass_and_a_mount_over_the_operators_is_named() -> None:
+    assert environment.reserved_mount("/etc/lockstep") and environment.reserved_mount("etc/lockstep/x")
+    assert environment.reserved_mount("/etc/../var/lib/lockstep") and environment.reserved_mount("/var//lib/lockstep")
+    assert not environment.reserved_mount("/etc/lockstep2") and not environment.reserved_mount("/data/models")
+    mounts = [{"name": "a", "mountPath": "/models"}, {"name": "b", "mountPath": "/var/lib/lockstep/other-job"}]
+    refusal = f"mountPath /var/lib/lockstep/other-job{environment.RESERVED_MOUNT_WHY}"
+    assert crd_errors({"volumeMounts": mounts}) == [f"spec.actors.volumeMounts: Invalid value: {refusal}"]
+
+
+def test_a_job_that_takes_over_the_operators_settings_runs_no_pods_and_says_which() -> None:
+    """A job the CRD would refuse today, created before the rule (or past admission): its pods go, and the Ready
+    condition names each setting in the CRD's words."""
+    body = job()
+    pods = [running(pod) for pod in created_pods(body)]
+    env = [{"name": "LOCKSTEP_CONFIG", "value": "/var/tmp/mine.json"}, {"name": "LOCKSTEP_SHARED_DIR", "value": "/"}]
+    body["spec"]["actors"]["env"] = env
+    body["spec"]["trainer"]["volumeMounts"] = [{"name": "mine", "mountPath": "/etc/lockstep"}]
+    plan = reconcile(Observed(body, pods, [policy()], {}, NOW))
+    assert set(plan.delete_pods) == {p["metadata"]["name"] for p in pods} and not plan.create_pods
+    ready = find(plan.status.conditions, READY)
+    assert ready is not None and (ready.status.value, ready.reason) == ("False", "InvalidSpec")
+    assert ready.message == (
+        f"the RLJob spec is invalid: spec.actors.env[0].name: LOCKSTEP_CONFIG{environment.RESERVED_ENV_WHY}; "
+        f"spec.actors.env[1].name: LOCKSTEP_SHARED_DIR{environment.RESERVED_ENV_WHY}; "
+        f"spec.trainer.volumeMounts: mountPath /etc/lockstep{environment.RESERVED_MOUNT_WHY}; "
+        "no pods run until it is fixed"
+    )
