@@ -247,37 +247,39 @@ RESERVED_ENV_RULE = cel(
 """The job's env may not take over a variable the operator sets (``environment.reserved_env``)."""
 
 
-def _reserved_mount_cel(mount: str) -> str:
-    """CEL: ``environment.reserved_mount`` of ``<mount>.mountPath`` (an absent mountPath is the API server's)."""
-    path = f"{mount}.mountPath"
-    absolute = f"({path}.startsWith('/') ? {path} : '/' + {path})"
+def _reserved_mount_cel() -> str:
+    """CEL: ``environment.reserved_mount(self)``."""
+    absolute = "(self.startsWith('/') ? self : '/' + self)"
     unclean = [f"{absolute}.contains('{part}')" for part in environment.UNCLEAN_PATH_PARTS]
     unclean += [f"{absolute}.endsWith('{ending}')" for ending in environment.UNCLEAN_PATH_ENDINGS]
     under = [f"{absolute} == '{root}' || {absolute}.startsWith('{root}/')" for root in environment.RESERVED_MOUNTS]
-    return f"has({path}) && ({' || '.join(unclean + under)})"
+    return " || ".join(unclean + under)
 
 
 RESERVED_MOUNT_RULE = cel(
-    f"!self.exists(m, {_reserved_mount_cel('m')})",
-    "a mountPath is the Lockstep operator's own, or not written plainly; mount elsewhere",
-    message_expression=f"'mountPath ' + self.filter(m, {_reserved_mount_cel('m')}).map(m, m.mountPath).join(', ') "
-    f"+ '{environment.RESERVED_MOUNT_WHY}'",
+    f"!({_reserved_mount_cel()})",
+    "the Lockstep operator mounts this path itself, or it is not written plainly; mount elsewhere",
+    message_expression=f"'mountPath ' + self + '{environment.RESERVED_MOUNT_WHY}'",
 )
 """The job's volumeMounts may not cover the operator's own mounts (``environment.reserved_mount``)."""
-_RESERVED_VOLUME_CEL = f"has(v.name) && v.name.startsWith('{environment.RESERVED_VOLUME_PREFIX}')"
 RESERVED_VOLUME_RULE = cel(
-    f"!self.exists(v, {_RESERVED_VOLUME_CEL})",
+    f"!self.startsWith('{environment.RESERVED_VOLUME_PREFIX}')",
     f"volume names starting with {environment.RESERVED_VOLUME_PREFIX} are the Lockstep operator's; rename the volume",
-    message_expression=f"'volume ' + self.filter(v, {_RESERVED_VOLUME_CEL}).map(v, v.name).join(', ') + "
-    f"'{environment.RESERVED_VOLUME_WHY}'",
+    message_expression=f"'volume ' + self + '{environment.RESERVED_VOLUME_WHY}'",
 )
+MAX_PASSED_THROUGH = 128
+"""The most volumes, volumeMounts or env entries a role may add: the API server needs bounds on the lists and
+strings these rules read, to cost them."""
+MAX_NAME_LENGTH = 256
+"""The longest environment variable name a role may add."""
 
 
-def _passed_through(rule: dict[str, str], key: str, description: str) -> dict[str, Any]:
-    """A list of core objects passed through to pods as they are, with ``key`` (a string, ``description``)
-    declared so that ``rule`` can read it."""
-    item = {**OPAQUE_OBJECT, "properties": {key: {"type": "string", "description": description}}}
-    return {"type": "array", "items": item, **validations(rule)}
+def _passed_through(key: str, description: str, rule: dict[str, str], max_length: int) -> dict[str, Any]:
+    """A list of core objects passed through to pods as they are, with ``key`` (a string of at most ``max_length``
+    characters, ``description``) declared so that ``rule`` checks it."""
+    declared = {"type": "string", "maxLength": max_length, "description": description, **validations(rule)}
+    item = {**OPAQUE_OBJECT, "properties": {key: declared}}
+    return {"type": "array", "maxItems": MAX_PASSED_THROUGH, "items": item}
 
 
 class Resources(Model):
@@ -295,7 +297,7 @@ class Resources(Model):
 class EnvVar(Model):
     """An environment variable of the role's container, as in a pod: a value, or valueFrom a source."""
 
-    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN)] = Field(
+    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=MAX_NAME_LENGTH)] = Field(
         description="The variable's name; not one the operator sets (LOCKSTEP_*, POD_NAME, POD_NAMESPACE, and the "
         "torch.distributed rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK).",
         json_schema_extra=validations(RESERVED_ENV_RULE),
@@ -322,21 +324,25 @@ class PodOverrides(Model):
         None, description="Node and pod affinity of the role's pods, as in a pod.", json_schema_extra=OPAQUE_OBJECT
     )
     env: list[EnvVar] | None = Field(
-        None, description="Environment variables added to the role's container, after the ones the operator sets."
+        None,
+        max_length=MAX_PASSED_THROUGH,
+        description="Environment variables added to the role's container, after the ones the operator sets.",
     )
     volumes: list[dict[str, Any]] | None = Field(
         None,
+        max_length=MAX_PASSED_THROUGH,
         description="Volumes added to the role's pods, as in a pod (e.g. the model's, at spec.model.uri); names "
         "starting with lockstep- are the operator's.",
-        json_schema_extra=_passed_through(RESERVED_VOLUME_RULE, "name", "The volume's name, as in a pod."),
+        json_schema_extra=_passed_through("name", "The volume's name, as in a pod.", RESERVED_VOLUME_RULE, 63),
     )
     volume_mounts: list[dict[str, Any]] | None = Field(
         None,
+        max_length=MAX_PASSED_THROUGH,
         description="Mounts of those volumes in the role's container, as in a pod. The operator mounts "
         "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself: nothing "
         "may be mounted at or under them.",
         json_schema_extra=_passed_through(
-            RESERVED_MOUNT_RULE, "mountPath", "Where the volume appears in the container, as in a pod."
+            "mountPath", "Where the volume appears in the container, as in a pod.", RESERVED_MOUNT_RULE, 1024
         ),
     )
 

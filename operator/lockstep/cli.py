@@ -86,7 +86,8 @@ def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[str]:
             field = path + rule.get("fieldPath", "")
             kind = "Required value" if rule.get("reason") == "FieldValueRequired" else "Invalid value"
             message = str(evaluate(rule["messageExpression"])) if "messageExpression" in rule else rule["message"]
-            errors.append(f"{field}: {kind}: {message}")
+            shown = "" if isinstance(value, dict | list) else f"{_quoted(value)}: "  # a scalar is quoted, as it was
+            errors.append(f"{field}: {kind}: {shown}{message}")
     for name, child in node.get("properties", {}).items():
         if isinstance(value, dict) and name in value:
             errors += _cel_errors(child, value[name], f"{path}.{name}")
@@ -135,6 +136,10 @@ def _api_server_message(error: Any) -> str:
         return f"{field}: Invalid value: {_quoted(value)}: {field} in body should be {words} {limit}"
     if kind == "string_pattern_mismatch":
         return f"{field}: Invalid value: {_quoted(value)}: {field} in body should match '{node.get('pattern')}'"
+    if kind == "too_long":
+        return f"{field}: Too many: {len(value)}: must have at most {error['ctx']['max_length']} items"
+    if kind == "string_too_long":
+        return f"{field}: Too long: may not be more than {error['ctx']['max_length']} bytes"
     if kind == "string_too_short":
         least = node.get("minLength")
         return f"{field}: Invalid value: {_quoted(value)}: {field} in body should be at least {least} chars long"

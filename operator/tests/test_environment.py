@@ -82,7 +82,9 @@ def test_plain_mounts_elsewhere_pass_and_a_mount_over_the_operators_is_named() -
     assert not environment.reserved_mount("/etc/lockstep2") and not environment.reserved_mount("/data/models")
     mounts = [{"name": "a", "mountPath": "/models"}, {"name": "b", "mountPath": "/var/lib/lockstep/other-job"}]
     refusal = f"mountPath /var/lib/lockstep/other-job{environment.RESERVED_MOUNT_WHY}"
-    assert crd_errors({"volumeMounts": mounts}) == [f"spec.actors.volumeMounts: Invalid value: {refusal}"]
+    assert crd_errors({"volumeMounts": mounts}) == [
+        f'spec.actors.volumeMounts[1].mountPath: Invalid value: "/var/lib/lockstep/other-job": {refusal}'
+    ]
 
 
 def test_a_job_that_takes_over_the_operators_settings_runs_no_pods_and_says_which() -> None:
@@ -100,6 +102,6 @@ def test_a_job_that_takes_over_the_operators_settings_runs_no_pods_and_says_whic
     assert ready.message == (
         f"the RLJob spec is invalid: spec.actors.env[0].name: LOCKSTEP_CONFIG{environment.RESERVED_ENV_WHY}; "
         f"spec.actors.env[1].name: LOCKSTEP_SHARED_DIR{environment.RESERVED_ENV_WHY}; "
-        f"spec.trainer.volumeMounts: mountPath /etc/lockstep{environment.RESERVED_MOUNT_WHY}; "
+        f"spec.trainer.volumeMounts[0].mountPath: mountPath /etc/lockstep{environment.RESERVED_MOUNT_WHY}; "
         "no pods run until it is fixed"
     )

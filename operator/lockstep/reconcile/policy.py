@@ -39,12 +39,13 @@ def reserved_settings(spec: RLJobSpec) -> list[str]:
         for index, variable in enumerate(overrides.env or []):
             if environment.reserved_env(variable.name):
                 problems.append(f"spec.{role}.env[{index}].name: {variable.name}{environment.RESERVED_ENV_WHY}")
-        mounts = [str(m["mountPath"]) for m in overrides.volume_mounts or [] if "mountPath" in m]
-        if taken := [path for path in mounts if environment.reserved_mount(path)]:
-            problems.append(f"spec.{role}.volumeMounts: mountPath {', '.join(taken)}{environment.RESERVED_MOUNT_WHY}")
-        volumes = [str(v["name"]) for v in overrides.volumes or [] if "name" in v]
-        if taken := [name for name in volumes if name.startswith(environment.RESERVED_VOLUME_PREFIX)]:
-            problems.append(f"spec.{role}.volumes: volume {', '.join(taken)}{environment.RESERVED_VOLUME_WHY}")
+        for index, mount in enumerate(overrides.volume_mounts or []):
+            if environment.reserved_mount(path := str(mount.get("mountPath", ""))):
+                field = f"spec.{role}.volumeMounts[{index}].mountPath"
+                problems.append(f"{field}: mountPath {path}{environment.RESERVED_MOUNT_WHY}")
+        for index, volume in enumerate(overrides.volumes or []):
+            if (name := str(volume.get("name", ""))).startswith(environment.RESERVED_VOLUME_PREFIX):
+                problems.append(f"spec.{role}.volumes[{index}].name: volume {name}{environment.RESERVED_VOLUME_WHY}")
     return problems
 
 
