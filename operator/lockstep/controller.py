@@ -106,16 +106,17 @@ class Shell:
                     self._reconcile_once(key, scope)
                 with self._guard:
                     if key not in self._dirty:
+                        # In the same hold of the guard as the check: a request that comes after it finds the job
+                        # not running and runs its own pass (released later, it would only mark the job dirty).
+                        self._running.discard(key)
                         return
                     scope = self._dirty.pop(key)
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
             with self._guard:
                 self._gates.pop(key, None)  # what the failed pass wrote is unknown: the next pass is a whole one
-            raise
-        finally:
-            with self._guard:
                 self._running.discard(key)
+            raise
 
     def _ask_again(self, key: JobKey, scope: PassScope = PassScope.FULL) -> None:
         """One more pass for the job after the one running (called with the guard held)."""

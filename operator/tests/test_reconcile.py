@@ -403,11 +403,10 @@ def announce(trainer: dict[str, Any], version: int, uri: str | None = None) -> N
 
 
 def carry_barrier(
-    body: dict[str, Any], pods: list[dict[str, Any]], version: int, members: int = 2
+    body: dict[str, Any], pods: list[dict[str, Any]], version: int, members: int = 2, now: dt.datetime = NOW
 ) -> tuple[dict[str, Any], dt.datetime]:
     """Let the first ``members`` pods (the two actors; and the trainer with a collective backend) ack every
-    phase of the barrier to ``version``; the job as of then, and the time."""
-    now = NOW
+    phase of the barrier to ``version``, from ``now`` on; the job as of then, and the time."""
     for expected_phase, ack_phase in (("Update", "Updated"), ("Resume", "Resumed")):
         plan = plan_for(body, pods, now=now)
         assert set(plan.annotate_pods) == {p["metadata"]["name"] for p in pods[:members]}, "commands go to members"
