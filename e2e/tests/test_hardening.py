@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from lockstep import api, keys
 from lockstep.events import PassScope
@@ -392,3 +393,42 @@ def test_a_pod_relabelled_out_of_its_job_is_named_instead_of_waited_for(kube: cl
     )
     ready = name_taken(kube, namespace, "relabelled")
     assert f"pod {actor} is this RLJob's own pod, but its labels no longer mark it as the job's" in ready["message"]
+
+
+def test_weights_announced_while_a_barrier_resumes_open_the_next_one_as_it_closes(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue 21 item 8: trainer-0 announced version 2 while barrier 1 waited for its Resumed acks; the pass that
+    announcement asked for found barrier 1 open, and the one that closed it opened nothing (a timer did, later)."""
+    [actor] = running_job(kube, namespace, "wake", 1)
+    announce_weights(kube, namespace, "wake", 1)
+    wait_for(lambda: barrier_of(kube, namespace, "wake").get("phase") == "Update", "barrier 1's Update")
+    barrier = barrier_of(kube, namespace, "wake")["id"]
+    ack_as(kube, namespace, actor, id=barrier, phase="Updated", loadedVersion=1)
+    wait_for(lambda: barrier_of(kube, namespace, "wake").get("phase") == "Resume", "barrier 1's Resume")
+    announce_weights(kube, namespace, "wake", 2)
+    wait_for(lambda: get_job(kube, namespace, "wake")["status"].get("lag") == 1, "the pass that sees version 2")
+    assert barrier_of(kube, namespace, "wake")["id"] == barrier, "barrier 1 is still open: it waits for its ack"
+    since = get_job(kube, namespace, "wake")["metadata"]["resourceVersion"]
+    ack_as(kube, namespace, actor, id=barrier, phase="Resumed", loadedVersion=1)
+    watch = client.CustomObjectsApi(kube).list_namespaced_custom_object(
+        api.GROUP,
+        api.VERSION,
+        namespace,
+        api.RLJOBS,
+        field_selector="metadata.name=wake",
+        watch=True,
+        resource_version=since,
+        timeout_seconds=60,
+        _preload_content=False,
+    )
+    try:
+        for line in iter_resp_lines(watch):
+            status = json.loads(line)["object"].get("status") or {}
+            if status.get("weightsVersion") == 1:
+                break
+        else:
+            pytest.fail("barrier 1 did not close")
+    finally:
+        watch.close()
+    assert (status.get("barrier") or {}).get("version") == 2, "the status write that closed barrier 1 opens barrier 2"
