@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from lockstep import api, keys
 from lockstep.events import PassScope
 from lockstep.protocol import PROTOCOL
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.fixtures import push_weights, running_job, wait_for, weights_version
-from lockstep_e2e.install import pod_client, service_account_token, token_client
+from lockstep_e2e.install import apply, pod_client, service_account_token, token_client
 from lockstep_e2e.jobs import (
     POLICIES,
     announce_weights,
@@ -319,3 +321,114 @@ def test_each_job_is_isolated_by_its_own_network_policy(kube: client.ApiClient, 
 
     wait_for(removed, "the policy to go when the job turns it off")
     assert networking.read_namespaced_network_policy("right-isolation", namespace)
+
+
+def name_taken(kube: client.ApiClient, namespace: str, job: str) -> dict[str, Any]:
+    """The job's Ready condition once it says that a pod not labelled as the job's holds one of its pod names."""
+    wait_for(lambda: condition(get_job(kube, namespace, job), "Ready").get("reason") == "PodNameTaken", "PodNameTaken")
+    wait_for(  # the Event is posted once the status write it describes succeeded, a moment after it
+        lambda: any(e.reason == "PodNameTaken" and e.type == "Warning" for e in events_for(kube, namespace, job)),
+        "the PodNameTaken Warning Event",
+        timeout=10,
+    )
+    return condition(get_job(kube, namespace, job), "Ready")
+
+
+def test_a_pod_that_squats_a_jobs_pod_name_is_named_in_the_jobs_condition_and_an_event(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue 21 item 6: a user with edit in the namespace creates <job>-trainer-0 before the job exists."""
+    core = client.CoreV1Api(kube)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "squatter"}})
+    client.RbacAuthorizationV1Api(kube).create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "squatter-edit"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+            "subjects": [{"kind": "ServiceAccount", "name": "squatter", "namespace": namespace}],
+        },
+    )
+    squatter = client.CoreV1Api(token_client(kube, service_account_token(kube, namespace, "squatter", seconds=600)))
+    pod = {
+        "metadata": {"name": "squatted-trainer-0"},
+        "spec": {"containers": [{"name": "main", "image": "busybox"}]},
+    }
+    wait_for(
+        lambda: _once_rbac_allows(lambda: squatter.create_namespaced_pod(namespace, pod)),
+        "the edit role to let the squatter create a pod",
+    )
+    create_job(kube, namespace, rljob("squatted", actors=1))
+    ready = name_taken(kube, namespace, "squatted")
+    assert ready["status"] == "False" and phase(get_job(kube, namespace, "squatted")) == "Pending"
+    assert "pod squatted-trainer-0 exists and is not Lockstep's" in ready["message"]
+    assert "owned by nobody, written by " in ready["message"], "its managedFields name what created it"
+    assert f"kubectl delete pod -n {namespace} squatted-trainer-0" in ready["message"]
+    assert condition(get_job(kube, namespace, "squatted"), "Stalled")["status"] == "True"
+
+
+def _once_rbac_allows(call: Callable[[], Any]) -> bool:
+    """Make the call; False while RBAC still refuses it (a new RoleBinding reaches the authorizer a moment later)."""
+    try:
+        call()
+    except ApiException as error:
+        if error.status != 403:
+            raise
+        return False
+    return True
+
+
+def test_a_pod_relabelled_out_of_its_job_is_named_instead_of_waited_for(kube: client.ApiClient, namespace: str) -> None:
+    """Issue 21 item 1's report: once an actor lost its managed-by label, the operator's re-create found its name
+    taken (409) and the job waited, PodsNotReady, for ever."""
+    from test_security import RBAC, impersonating, pod_rbac
+
+    [actor] = running_job(kube, namespace, "relabelled", 1)
+    group = {"kind": "Group", "name": keys.BREAK_GLASS_GROUP, "apiGroup": RBAC}
+    apply(kube, pod_rbac(namespace, group, ["get", "patch"]))
+    repair = client.CoreV1Api(impersonating(kube, "alice", keys.BREAK_GLASS_GROUP))
+    unlabel = {"metadata": {"labels": {keys.MANAGED_BY: None}}}
+    wait_for(
+        lambda: _once_rbac_allows(lambda: repair.patch_namespaced_pod(actor, namespace, unlabel)),
+        "the RoleBinding to let alice patch the pod",
+    )
+    ready = name_taken(kube, namespace, "relabelled")
+    assert f"pod {actor} is this RLJob's own pod, but its labels no longer mark it as the job's" in ready["message"]
+
+
+def test_weights_announced_while_a_barrier_resumes_open_the_next_one_as_it_closes(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue 21 item 8: trainer-0 announced version 2 while barrier 1 waited for its Resumed acks; the pass that
+    announcement asked for found barrier 1 open, and the one that closed it opened nothing (a timer did, later)."""
+    [actor] = running_job(kube, namespace, "wake", 1)
+    announce_weights(kube, namespace, "wake", 1)
+    wait_for(lambda: barrier_of(kube, namespace, "wake").get("phase") == "Update", "barrier 1's Update")
+    barrier = barrier_of(kube, namespace, "wake")["id"]
+    ack_as(kube, namespace, actor, id=barrier, phase="Updated", loadedVersion=1)
+    wait_for(lambda: barrier_of(kube, namespace, "wake").get("phase") == "Resume", "barrier 1's Resume")
+    announce_weights(kube, namespace, "wake", 2)
+    wait_for(lambda: get_job(kube, namespace, "wake")["status"].get("lag") == 1, "the pass that sees version 2")
+    assert barrier_of(kube, namespace, "wake")["id"] == barrier, "barrier 1 is still open: it waits for its ack"
+    since = get_job(kube, namespace, "wake")["metadata"]["resourceVersion"]
+    ack_as(kube, namespace, actor, id=barrier, phase="Resumed", loadedVersion=1)
+    watch = client.CustomObjectsApi(kube).list_namespaced_custom_object(
+        api.GROUP,
+        api.VERSION,
+        namespace,
+        api.RLJOBS,
+        field_selector="metadata.name=wake",
+        watch=True,
+        resource_version=since,
+        timeout_seconds=60,
+        _preload_content=False,
+    )
+    try:
+        for line in iter_resp_lines(watch):
+            status = json.loads(line)["object"].get("status") or {}
+            if status.get("weightsVersion") == 1:
+                break
+        else:
+            pytest.fail("barrier 1 did not close")
+    finally:
+        watch.close()
+    assert (status.get("barrier") or {}).get("version") == 2, "the status write that closed barrier 1 opens barrier 2"

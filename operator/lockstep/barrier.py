@@ -109,7 +109,8 @@ def step(
     sender: str | None = None,
     ranks_per_member: int = 1,
 ) -> Decision:
-    """Advance the barrier by what the member pods say; open one when weights are newer than committed.
+    """Advance the barrier by what the member pods say; open one when weights are newer than committed (also
+    right after the open one completed: the next barrier opens in the step that closes the last).
 
     Protocol 2: a barrier opens in ``Update`` (each member pauses, then loads) and moves to ``Resume`` once
     every member has loaded, so no member resumes a version before all of them hold it. ``sender`` names the
@@ -121,17 +122,33 @@ def step(
     """
     decision = Decision(barrier=barrier, committed=committed)
     seen = {m.name: m for m in members}
-    if decision.barrier is None:
-        decision.barrier = _maybe_open(
-            job_uid, committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member
-        )
-        if decision.barrier is None:
-            return decision
-        decision.notes.append(
-            f"opened barrier {decision.barrier.id} for weights version {decision.barrier.version} with "
-            f"{len(decision.barrier.members)} member(s)"
-        )
-    _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
+    if decision.barrier is not None:
+        _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
+        record = decision.record
+        if decision.barrier is not None or record is None or record.outcome is not BarrierOutcome.COMPLETED:
+            return _with_commands(decision, seen)
+        # Completed: weights announced meanwhile (or members still behind) open the next barrier in this same
+        # step. No later pass may come to open it: the request of the announcement may be the one this pass serves.
+        history = remember(history, record)
+        seen = {name: m for name, m in seen.items() if name not in decision.evict}
+    opened = _maybe_open(
+        job_uid, decision.committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member
+    )
+    if opened is None:
+        return decision
+    decision.barrier = opened
+    decision.notes.append(
+        f"opened barrier {opened.id} for weights version {opened.version} with {len(opened.members)} member(s)"
+    )
+    if decision.record is None:
+        _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
+    else:
+        decision.acked = []  # the acks were the closed barrier's; none answers one whose commands are not written
+    return _with_commands(decision, seen)
+
+
+def _with_commands(decision: Decision, seen: dict[str, Member]) -> Decision:
+    """The decision, with the open barrier's command for every member that runs."""
     if decision.barrier is not None:
         decision.commands = {name: decision.barrier.command(name) for name in decision.barrier.members if name in seen}
     return decision

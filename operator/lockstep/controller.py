@@ -74,6 +74,8 @@ class Shell:
         """Jobs one of whose children was deleted since their pass began applying them."""
         self._rejected: dict[JobKey, tuple[int | None, dict[str, str]]] = {}
         """What the API server refused to create for a job, at the generation it was refused for."""
+        self._taken: dict[JobKey, dict[str, dict[str, Any]]] = {}
+        """Pods a job would create whose name a pod not labelled as the job's has: name → that pod's metadata."""
         self._own_writes: dict[JobKey, str] = {}  # the resourceVersion of each job's last status write
         self._pods_pool = ThreadPoolExecutor(max_workers=POD_WRITERS, thread_name_prefix="pod-writer")
         self._passes = ThreadPoolExecutor(max_workers=PASS_WORKERS, thread_name_prefix="pass")
@@ -106,16 +108,17 @@ class Shell:
                     self._reconcile_once(key, scope)
                 with self._guard:
                     if key not in self._dirty:
+                        # In the same hold of the guard as the check: a request that comes after it finds the job
+                        # not running and runs its own pass (released later, it would only mark the job dirty).
+                        self._running.discard(key)
                         return
                     scope = self._dirty.pop(key)
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
             with self._guard:
                 self._gates.pop(key, None)  # what the failed pass wrote is unknown: the next pass is a whole one
-            raise
-        finally:
-            with self._guard:
                 self._running.discard(key)
+            raise
 
     def _ask_again(self, key: JobKey, scope: PassScope = PassScope.FULL) -> None:
         """One more pass for the job after the one running (called with the guard held)."""
@@ -132,6 +135,7 @@ class Shell:
         with self._guard:
             self._applied_children.clear()
             self._rejected.clear()  # what was refused (a quota, a policy) may be accepted now
+            self._taken.clear()  # and a pod that held a job's pod name may be gone
             self._policies, self._namespaces = None, {}  # read anew, in case a watch event was missed
         for job in jobs:
             namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
@@ -218,7 +222,9 @@ class Shell:
         order = self._ack_order.get(key, {})
         pods.sort(key=lambda pod: order.get(pod["metadata"]["name"], 0))  # acks in the order they came
         queue = self._kueue_view(job) if self.kueue else None  # a barrier pass may hand over to the whole pipeline
-        observed = Observed(job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope)
+        with self._guard:
+            taken = dict(self._taken.get(key, {}))
+        observed = Observed(job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope, taken)
         plan = reconcile(observed)
         before = RLJobStatus.model_validate(job.get("status") or {})
         self._apply(key, job, plan)
@@ -350,6 +356,7 @@ class Shell:
         for kept in (
             self._applied_children,
             self._rejected,
+            self._taken,
             self._own_writes,
             self._gates,
             self._ack_order,
@@ -407,10 +414,15 @@ class Shell:
         creations = [] if rejected else plan.create_pods
         for refusal in self._pods_pool.map(lambda pod: self._create_pod(key, pod), creations):
             rejected.update(refusal)
+        with self._guard:
+            taken = [p["metadata"]["name"] for p in creations if p["metadata"]["name"] in self._taken.get(key, {})]
+        if taken:
+            logger.warning("pods not labelled as RLJob %s/%s's hold names it needs: %s", namespace, name, taken)
         if rejected:
             logger.warning("the API server refused what RLJob %s/%s asks for: %s", namespace, name, rejected)
             self._rejected[key] = (job["metadata"].get("generation"), rejected)
             self._namespaces.pop(namespace, None)  # it may be terminating: read it again
+        if rejected or taken:
             with self._guard:
                 self._ask_again(key)  # at once, one more pass reports it on the job instead of this pass's status
             return
@@ -491,21 +503,36 @@ class Shell:
 
     def _create_pod(self, key: JobKey, pod: dict[str, Any]) -> dict[str, str]:
         """Create ``pod`` and keep the API server's answer; ``_refused``'s verdict. A pod that exists already
-        is still terminating (the cache has it: its deletion asks for the next pass), or one the watch has not
-        brought yet: then the next pass lists the job's pods again."""
+        is the job's own, still terminating (the cache has it: its deletion asks for the next pass) or not yet
+        brought by the watch (then the next pass lists the job's pods again); or it is not labelled as the
+        job's (someone else's, or relabelled): it is kept in ``_taken`` for the next pass to report."""
+        name = pod["metadata"]["name"]
         try:
             body: Any = pod  # the client sends a dict as it is
             created = responses.body(self.core.create_namespaced_pod(key[0], body, _preload_content=False))
         except ApiException as error:
             if error.status == 409:
                 with self._guard:
-                    cache = self._pods.setdefault(key, PodCache())
-                    if pod["metadata"]["name"] not in cache.pods:
-                        cache.listed = False
-            return _refusal(f"Pod {pod['metadata']['name']}", error)
+                    cached = name in self._pods.setdefault(key, PodCache()).pods
+                found = None if cached else self._read_pod(key[0], name)
+                with self._guard:
+                    if found is not None and not _labelled_as_of(found, key[1]):
+                        self._taken.setdefault(key, {})[name] = found["metadata"]
+                    elif not cached:
+                        self._pods.setdefault(key, PodCache()).listed = False
+            return _refusal(f"Pod {name}", error)
         with self._guard:
             self._pods.setdefault(key, PodCache()).observe("ADDED", created)
         return {}
+
+    def _read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod as the API server has it, or None when it is gone."""
+        try:
+            return responses.body(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
 
     def _wake_in(self, key: JobKey, seconds: float) -> None:
         """One timer per job: a pass of the whole pipeline ``seconds`` from now, unless one is due sooner (a pass
@@ -605,6 +632,12 @@ def _refusal(what: str, error: ApiException) -> dict[str, str]:
         return {what: str(json.loads(error.body or "")["message"])}
     except (ValueError, KeyError, TypeError):
         return {what: f"{error.status} {error.reason}"}
+
+
+def _labelled_as_of(pod: dict[str, Any], job: str) -> bool:
+    """Whether ``pod`` carries the labels of ``job``'s pods, the ones the pod watch selects and files it under."""
+    labels = pod["metadata"].get("labels") or {}
+    return bool(labels.get(keys.MANAGED_BY) == keys.MANAGER and labels.get(keys.JOB) == job)
 
 
 def _older(job: dict[str, Any], than: dict[str, Any]) -> bool:

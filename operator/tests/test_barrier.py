@@ -69,7 +69,7 @@ def test_phases_advance_only_when_every_member_acked_and_history_names_the_slowe
     updated = run(half.barrier, {"a": a_loaded, "b": ack(barrier, "Updated", loaded_version=1)}, seconds=3)
     assert updated.barrier is not None and updated.barrier.phase is BarrierPhase.RESUME
     assert updated.committed is None, "weights count as committed only once every member resumed"
-    done = run(updated.barrier, {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}, seconds=5)
+    done = run(updated.barrier, {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}, seconds=5, loaded=1)
     assert done.barrier is None and done.committed == V1
     assert done.record is not None
     assert done.record.phase_seconds == {"Update": 3.0, "Resume": 2.0}
@@ -248,3 +248,20 @@ def test_a_sender_lost_mid_update_is_waited_for_in_a_paused_retry_and_its_replac
     assert any("the new pod sends the weights" in note for note in adopted.notes)
     late = run(waiting.barrier, {"a": ack(retry, "Paused")}, sender="trainer", seconds=31)
     assert late.failed is not None and "trainer did not ack Pause in time" in late.failed
+
+
+def test_weights_announced_while_a_barrier_runs_open_the_next_one_in_the_step_that_closes_it() -> None:
+    """Issue 21 item 8: the pass that closes a barrier may be the one the announcement asked for; no other comes."""
+    barrier = run(None, {"a": None, "b": None}).barrier
+    assert barrier is not None
+    resuming = run(barrier, {n: ack(barrier, "Updated", loaded_version=1) for n in "ab"}, seconds=1).barrier
+    assert resuming is not None and resuming.phase is BarrierPhase.RESUME
+    resumed = {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}
+    done = run(resuming, resumed, seconds=2, loaded=1, announced=V2)
+    assert done.committed == V1 and done.record is not None and done.record.outcome == "Completed"
+    assert done.barrier is not None and done.barrier.id == "job/2/1" and done.barrier.phase is BarrierPhase.UPDATE
+    assert set(done.barrier.members) == {"a", "b"} and done.acked == [], "the closed barrier's acks answer not this one"
+    assert {name: c.id for name, c in done.commands.items()} == {"a": "job/2/1", "b": "job/2/1"}
+    assert done.notes[-1] == "opened barrier job/2/1 for weights version 2 with 2 member(s)"
+    failed = run(resuming, {"a": resumed["a"], "b": None}, seconds=31, loaded=1, announced=V2)
+    assert failed.barrier is None and failed.failed is not None, "a failed barrier opens none (the job failed)"

@@ -403,11 +403,10 @@ def announce(trainer: dict[str, Any], version: int, uri: str | None = None) -> N
 
 
 def carry_barrier(
-    body: dict[str, Any], pods: list[dict[str, Any]], version: int, members: int = 2
+    body: dict[str, Any], pods: list[dict[str, Any]], version: int, members: int = 2, now: dt.datetime = NOW
 ) -> tuple[dict[str, Any], dt.datetime]:
     """Let the first ``members`` pods (the two actors; and the trainer with a collective backend) ack every
-    phase of the barrier to ``version``; the job as of then, and the time."""
-    now = NOW
+    phase of the barrier to ``version``, from ``now`` on; the job as of then, and the time."""
     for expected_phase, ack_phase in (("Update", "Updated"), ("Resume", "Resumed")):
         plan = plan_for(body, pods, now=now)
         assert set(plan.annotate_pods) == {p["metadata"]["name"] for p in pods[:members]}, "commands go to members"
@@ -544,6 +543,31 @@ def test_what_the_api_server_refused_is_a_condition_and_nothing_more_is_created(
     message = find(plan.status.conditions, READY).message  # type: ignore[union-attr]
     assert "Pod demo-actor-0" in message and "lots" in message and "fix the RLJob's spec" in message
     assert any(e.reason == "ChildRejected" and e.type == "Warning" for e in plan.events)
+
+
+def test_a_pod_name_held_by_a_pod_not_of_the_job_is_named_with_its_owner_and_what_to_do() -> None:
+    """Issue 21 item 6: the shell found the name taken on create (409) by a pod not labelled as the job's."""
+    squatter = {"name": "demo-trainer-0", "labels": {"app": "mine"}, "managedFields": [{"manager": "kubectl-create"}]}
+    body, pods = settle(job())
+    plan = reconcile(Observed(body, pods[:2], [policy()], {}, NOW, taken={"demo-trainer-0": squatter}))
+    assert not plan.create_pods, "the job needs all its pods: nothing more is created"
+    assert condition(plan, READY) == ("False", "PodNameTaken") and condition(plan, "Stalled") == (
+        "True",
+        "PodNameTaken",
+    )
+    message = find(plan.status.conditions, READY).message  # type: ignore[union-attr]
+    assert "pod demo-trainer-0 exists and is not Lockstep's" in message
+    assert "owned by nobody, written by kubectl-create" in message
+    assert "kubectl delete pod -n team-a demo-trainer-0" in message and "under another name" in message
+    assert [e.type for e in plan.events if e.reason == "PodNameTaken"] == ["Warning"]
+
+    relabelled = {"name": "demo-actor-1", "labels": {}, "ownerReferences": [{"kind": "RLJob", "uid": "uid-1"}]}
+    plan = reconcile(Observed(body, [pods[0], pods[2]], [policy()], {}, NOW, taken={"demo-actor-1": relabelled}))
+    message = find(plan.status.conditions, READY).message  # type: ignore[union-attr]
+    assert "pod demo-actor-1 is this RLJob's own pod, but its labels no longer mark it as the job's" in message
+    owned = {**squatter, "ownerReferences": [{"kind": "ReplicaSet", "name": "web-1", "uid": "u"}]}
+    plan = reconcile(Observed(body, pods[:2], [policy()], {}, NOW, taken={"demo-trainer-0": owned}))
+    assert "owned by ReplicaSet web-1" in find(plan.status.conditions, READY).message  # type: ignore[union-attr]
 
 
 def test_an_open_barrier_ends_by_its_deadline_while_no_policy_resolves() -> None:

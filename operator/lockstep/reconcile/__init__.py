@@ -61,6 +61,9 @@ def _steps(run: Pass) -> None:
     if run.observed.rejected:
         pods.report_rejected(run, spec, config)
         return
+    if run.observed.taken:
+        pods.report_taken(run, spec, config)
+        return
     placements = queue.admit(run, spec, wanted.all)
     if spec.suspend:
         run.stop_all_pods("the job is suspended")

@@ -43,6 +43,9 @@ class Observed:
     """None when the operator's Kueue integration is off."""
     scope: PassScope = PassScope.FULL
     """BARRIER: nothing but acks changed since the last pass, which stepped the open barrier (the shell knows)."""
+    taken: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Pods this job would create whose name another pod has, one not labelled as this job's: name → that pod's
+    metadata as the API server returned it (with its managedFields)."""
 
 
 @dataclass(frozen=True)

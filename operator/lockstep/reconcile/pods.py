@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lockstep import desired
+from lockstep import desired, keys
 from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import PARITY_LOCKED, READY
 from lockstep.parity import EffectiveConfig
@@ -54,6 +54,43 @@ def report_rejected(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None
         "it: a quota, an admission policy). The operator tries again when the spec changes, and every minute",
     )
     weights.keep_moving(run, spec, weights.ranks_per_member(config))
+
+
+def report_taken(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None:
+    """Pods that are not this job's hold the names of pods it needs: name each, with whose it is and what to do;
+    create nothing more (the job needs all its pods), and keep an open barrier moving for the pods that run."""
+    if run.status.phase is not Phase.RUNNING:
+        run.status.phase = Phase.PENDING
+    taken = sorted(run.observed.taken.items())
+    found = "; ".join(f"pod {name} {_whose(run, metadata)}" for name, metadata in taken)
+    names = " ".join(name for name, _ in taken)
+    run.condition(
+        READY,
+        False,
+        Reason.POD_NAME_TAKEN,
+        f"{found}. The job needs that name for a pod of its own: delete the pod (kubectl delete pod -n "
+        f"{run.job.namespace} {names}) and the operator creates its own within a minute, or create the job "
+        "under another name",
+    )
+    weights.keep_moving(run, spec, weights.ranks_per_member(config))
+
+
+def _whose(run: Pass, metadata: dict[str, Any]) -> str:
+    """Whose a pod that holds one of the job's pod names is, as its metadata tells."""
+    labels = metadata.get("labels") or {}
+    owners = metadata.get("ownerReferences") or []
+    managers = list(dict.fromkeys(str(entry.get("manager", "?")) for entry in metadata.get("managedFields") or []))
+    wanted = f"{keys.MANAGED_BY}={keys.MANAGER}, {keys.JOB}={run.job.name}"
+    if any(owner.get("uid") == run.job.uid for owner in owners):
+        return (
+            f"is this RLJob's own pod, but its labels no longer mark it as the job's ({wanted}), so Lockstep does "
+            "not see it: someone changed them"
+        )
+    if labels.get(keys.MANAGED_BY) == keys.MANAGER:
+        return f"is labelled as a pod of RLJob {labels.get(keys.JOB)!r}, not of this one"
+    owned = ", ".join(f"{owner.get('kind')} {owner.get('name')}" for owner in owners) or "nobody"
+    written = f", written by {', '.join(managers)}" if managers else ""
+    return f"exists and is not Lockstep's (it lacks the labels {wanted}): owned by {owned}{written}"
 
 
 def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str, dict[str, Any]]:

@@ -18,6 +18,7 @@ class Reason(StrEnum):
     TRAINER_SUCCEEDED = "TrainerSucceeded"
     INVALID_SPEC = "InvalidSpec"
     CHILD_REJECTED = "ChildRejected"
+    POD_NAME_TAKEN = "PodNameTaken"
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
     WEIGHT_UPDATE_FAILED = "WeightUpdateFailed"
     PREFLIGHT_FAILED = "PreflightFailed"
@@ -66,6 +67,7 @@ STALLED = frozenset(
         Reason.MISMATCH_BUDGET_EXCEEDED,
         Reason.PREFLIGHT_FAILED,
         Reason.CHILD_REJECTED,
+        Reason.POD_NAME_TAKEN,
     }
 )
 """Ready=False reasons that need a person (fix the spec or the policy, or recreate the job): Stalled, for kstatus."""

@@ -46,7 +46,7 @@ def step(
         job_uid=run.job.uid,
         barrier=status.barrier,
         committed=status.weights,
-        announced=None if updates is budget.Updates.HELD and status.barrier is None else announced,
+        announced=None if updates is budget.Updates.HELD else announced,  # the open barrier goes on, no new one
         members=list(members.values()),
         history=status.barrier_history,
         now=run.observed.now,
