@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from factories import NOW, REWARD, job, policy, running
@@ -59,7 +59,6 @@ def crd_errors(overrides: dict[str, Any]) -> list[str]:
 PATH_PARTS = st.sampled_from(["", ".", "..", "etc", "lockstep", "var", "lib", "data", "lockstep2", "x"])
 
 
-@settings(deadline=None)  # the first example compiles the CRD's CEL rules
 @given(st.lists(PATH_PARTS, min_size=1, max_size=6), st.booleans())
 def test_the_crd_and_the_operator_refuse_the_same_mount_paths(parts: list[str], absolute: bool) -> None:
     path = ("/" if absolute else "") + "/".join(parts)
@@ -67,7 +66,6 @@ def test_the_crd_and_the_operator_refuse_the_same_mount_paths(parts: list[str], 
     assert refused == environment.reserved_mount(path), path
 
 
-@settings(deadline=None)
 @given(
     st.sampled_from(["LOCKSTEP_CONFIG", "LOCKSTEP_", "LOCKSTEPX", "RANK", "RANKS", "NCCL_DEBUG", "HOME", "POD_NAME"])
 )

@@ -342,7 +342,7 @@ def test_condition_transition_time_is_kept_while_status_is_unchanged() -> None:
 pod_states = st.sampled_from(["absent", "pending", "running", "failed", "succeeded", "drifted", "deleting"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     actors=st.integers(1, 4),
     trainers=st.integers(1, 3),
@@ -678,7 +678,7 @@ def test_a_pod_that_requests_gpus_gets_its_local_rank_shared_memory_and_nccl_set
 ack_moves = st.sampled_from(["answer"] * 4 + ["none", "error", "stale", "unreadable"])  # mostly barriers that end
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     backend=st.sampled_from(["filesystem", "gloo"]),
     on_timeout=st.sampled_from(["FailJob", "EvictStraggler"]),

@@ -149,7 +149,7 @@ actions = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(
     actors=st.integers(1, 4),
     script=st.lists(actions, max_size=60),
