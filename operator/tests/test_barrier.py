@@ -7,8 +7,8 @@ import datetime as dt
 import json
 
 from factories import NOW
-from lockstep.api import BarrierStatus, TimeoutAction
-from lockstep.barrier import MEMBER_RETRIES, Decision, Member, step
+from lockstep.api import BarrierOutcome, BarrierStatus, TimeoutAction
+from lockstep.barrier import MEMBER_RETRIES, Decision, Member, interrupt, step
 from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights
 
 V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1")
@@ -248,3 +248,11 @@ def test_a_sender_lost_mid_update_is_waited_for_in_a_paused_retry_and_its_replac
     assert any("the new pod sends the weights" in note for note in adopted.notes)
     late = run(waiting.barrier, {"a": ack(retry, "Paused")}, sender="trainer", seconds=31)
     assert late.failed is not None and "trainer did not ack Pause in time" in late.failed
+
+
+def test_an_interrupted_barrier_is_recorded_with_its_reason_and_commits_nothing() -> None:
+    opened = run(None, {"a": None, "b": None}).barrier
+    assert opened is not None
+    record = interrupt(opened, NOW + dt.timedelta(seconds=4), "Preempted")
+    assert (record.outcome, record.reason, record.version) == (BarrierOutcome.INTERRUPTED, "Preempted", 1)
+    assert record.seconds == 4 and record.members == 2, "its time ends when the pods were stopped"
