@@ -235,7 +235,8 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
     for record in state.get("barrierHistory", []):
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in record["phaseSeconds"].items())
         took = f"{record['seconds']:.2f} s ({phases})"
-        lines.append(f"  v{record['version']} {record['outcome']} in {took}; slowest {record.get('slowestPod')}")
+        outcome = f"{record['outcome']} ({record['reason']})" if record.get("reason") else record["outcome"]
+        lines.append(f"  v{record['version']} {outcome} in {took}; slowest {record.get('slowestPod')}")
     return "\n".join(lines)
 
 
