@@ -206,7 +206,7 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
     lines = [f"RLJob {name}: {state.get('phase', 'Pending')}, {weights}"]
     lines.append(
         f"  restarts {state.get('restarts', 0)} (failures, against spec.maxRestarts), replacements "
-        f"{state.get('replacements', 0)} (spec edits, policy changes, drift, evictions)"
+        f"{state.get('replacements', 0)} (spec edits, policy changes, drift, evictions, lost Workloads)"
     )
     for condition in state.get("conditions", []):
         lines.append(f"  {condition['type']}={condition['status']} ({condition['reason']}): {condition['message']}")
