@@ -132,6 +132,22 @@ def workload(kube: client.ApiClient, namespace: str, job: str) -> dict[str, Any]
     return found
 
 
+def priorities(kube: client.ApiClient, namespace: str) -> tuple[str, str]:
+    """A low and a high WorkloadPriorityClass, named after ``namespace``."""
+    low, high = f"low-{namespace}", f"high-{namespace}"
+    for name, value in ((low, 10), (high, 1000)):
+        _create(kube, "workloadpriorityclasses", {"metadata": {"name": name}, "value": value})
+    return low, high
+
+
+def conditions_of(workload: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in (workload.get("status") or {}).get("conditions") or []}
+
+
+HOLD = "test.lockstep.dev/hold"
+"""A finalizer that keeps a deleted pod Terminating, as a slow vLLM shutdown would (kwok stops nothing itself)."""
+
+
 def test_jobs_wait_in_their_queue_for_quota_and_run_as_one_gang(kube: client.ApiClient, namespace: str) -> None:
     queue = queue_for_one_job(kube, namespace)
     queued_job(kube, namespace, "first", queue)
@@ -161,8 +177,10 @@ def test_jobs_wait_in_their_queue_for_quota_and_run_as_one_gang(kube: client.Api
     assert not job_pods(kube, namespace, "second"), "a queued job holds no pods"
 
     complete(kube, namespace, "first")
-    finished = {c["type"]: c for c in workload(kube, namespace, "first")["status"]["conditions"]}
-    assert finished[kueue.FINISHED]["status"] == "True"
+    wait_for(  # once its pods are gone
+        lambda: conditions_of(workload(kube, namespace, "first")).get(kueue.FINISHED) == "True",
+        "the finished job's Workload to be Finished",
+    )
     wait_phase(kube, namespace, "second", "Running")
     assert len(job_pods(kube, namespace, "second")) == 3
 
@@ -171,9 +189,7 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_w
     kube: client.ApiClient, namespace: str
 ) -> None:
     queue = queue_for_one_job(kube, namespace)
-    low, high = f"low-{namespace}", f"high-{namespace}"
-    for name, value in ((low, 10), (high, 1000)):
-        _create(kube, "workloadpriorityclasses", {"metadata": {"name": name}, "value": value})
+    low, high = priorities(kube, namespace)
     queued_job(kube, namespace, "background", queue, priority=low)
     wait_phase(kube, namespace, "background", "Running")
     assert workload(kube, namespace, "background")["spec"]["priority"] == 10
@@ -197,22 +213,6 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_w
     for pod in job_pods(kube, namespace, "background"):
         assert '"version":1' in pod.metadata.annotations[keys.INITIAL_WEIGHTS].replace(" ", ""), pod.metadata.name
     complete(kube, namespace, "background")
-
-
-def priorities(kube: client.ApiClient, namespace: str) -> tuple[str, str]:
-    """A low and a high WorkloadPriorityClass, named after ``namespace``."""
-    low, high = f"low-{namespace}", f"high-{namespace}"
-    for name, value in ((low, 10), (high, 1000)):
-        _create(kube, "workloadpriorityclasses", {"metadata": {"name": name}, "value": value})
-    return low, high
-
-
-def conditions_of(workload: dict[str, Any]) -> dict[str, str]:
-    return {c["type"]: c["status"] for c in (workload.get("status") or {}).get("conditions") or []}
-
-
-HOLD = "test.lockstep.dev/hold"
-"""A finalizer that keeps a deleted pod Terminating, as a slow vLLM shutdown would (kwok stops nothing itself)."""
 
 
 def test_an_evicted_jobs_quota_goes_back_only_once_its_terminating_pods_are_gone(

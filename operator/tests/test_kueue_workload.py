@@ -141,6 +141,8 @@ def test_a_finished_job_marks_its_workload_finished_once() -> None:
     pods[-1] = running(pods[-1], phase="Succeeded")  # trainer rank 0 completed, nothing announced
     done = plan_for({**body, "status": status(first)}, view_of(admitted), pods)
     assert done.status.phase is Phase.SUCCEEDED
+    assert not done.workload_status, "its actors still run while they are deleted: the quota is still theirs"
+    done = plan_for({**body, "status": status(done)}, view_of(admitted), pods[-1:])
     patch = done.workload_status[admitted["metadata"]["name"]]
     (finished,) = [c for c in patch["status"]["conditions"] if c["type"] == kueue.FINISHED]
     assert (finished["status"], finished["reason"]) == ("True", "Succeeded")
