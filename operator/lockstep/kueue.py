@@ -6,7 +6,7 @@ with a pod set per role (the pods' real resource requests). Its pods are held un
 then carry the admitted ResourceFlavors' node labels and tolerations. When Kueue evicts the Workload (preemption, a
 stopped queue, ``spec.suspend``), the pods are deleted, the status and committed weights are kept, and once no pod is
 left running (a pod being deleted holds its devices until it stops) the quota is handed back; when the job ends, the
-Workload is marked Finished.
+Workload is marked Finished, once no pod is left running either.
 
 Every function is pure: lockstep.reconcile calls them with what the shell read.
 """
