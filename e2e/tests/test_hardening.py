@@ -219,6 +219,40 @@ def test_what_the_api_server_refuses_to_create_is_a_condition_and_an_event(
     wait_for(lambda: phase(get_job(kube, namespace, "intolerant")) == "Running", "the fixed job to run")
 
 
+def test_a_job_that_a_resource_quota_admits_in_part_releases_the_pods_it_got(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    core = client.CoreV1Api(kube)
+    quota = {"metadata": {"name": "two-pods"}, "spec": {"hard": {"count/pods": "2"}}}
+    core.create_namespaced_resource_quota(namespace, quota)
+    wait_for(  # the quota admits nothing until the controller manager has counted what it covers
+        lambda: (core.read_namespaced_resource_quota("two-pods", namespace).status.hard or {}).get("count/pods"),
+        "the ResourceQuota to be counted",
+    )
+    create_job(kube, namespace, rljob("partial", actors=2))  # three pods
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "partial"), "Ready").get("reason") == "QuotaExceeded",
+        "the QuotaExceeded condition",
+    )
+    job = get_job(kube, namespace, "partial")
+    ready = condition(job, "Ready")
+    assert "ResourceQuota two-pods" in ready["message"] and "Kueue" in ready["message"]
+    assert condition(job, "Stalled")["status"] == "False", "it waits for quota: nothing for a person to fix"
+    wait_for(lambda: not job_pods(kube, namespace, "partial"), "the pods it got to be released")
+    wait_for(  # the Event is posted once the status write it describes succeeded, a moment after it
+        lambda: any(
+            e.reason == "QuotaExceeded" and e.type == "Warning" for e in events_for(kube, namespace, "partial")
+        ),
+        "the QuotaExceeded Warning Event",
+        timeout=10,
+    )
+
+    core.patch_namespaced_resource_quota("two-pods", namespace, {"spec": {"hard": {"count/pods": "3"}}})
+    wait_for(  # it tries again on the operator's resync, every minute
+        lambda: phase(get_job(kube, namespace, "partial")) == "Running", "the job to run with every pod", timeout=150
+    )
+
+
 def test_deleted_children_come_back_while_the_operator_runs(kube: client.ApiClient, namespace: str) -> None:
     actors = running_job(kube, namespace, "pruned", 1)
     core, rbac = client.CoreV1Api(kube), client.RbacAuthorizationV1Api(kube)

@@ -15,7 +15,17 @@ from lockstep import keys, kueue
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import fresh_namespace, push_weights, wait_for
 from lockstep_e2e.install import install, start_operator
-from lockstep_e2e.jobs import condition, create_job, get_job, job_pods, patch_job, phase, rljob
+from lockstep_e2e.jobs import (
+    announce_weights,
+    condition,
+    create_job,
+    events_for,
+    get_job,
+    job_pods,
+    patch_job,
+    phase,
+    rljob,
+)
 from lockstep_e2e.kueue import start_kueue
 
 pytestmark = pytest.mark.cluster
@@ -122,6 +132,22 @@ def workload(kube: client.ApiClient, namespace: str, job: str) -> dict[str, Any]
     return found
 
 
+def priorities(kube: client.ApiClient, namespace: str) -> tuple[str, str]:
+    """A low and a high WorkloadPriorityClass, named after ``namespace``."""
+    low, high = f"low-{namespace}", f"high-{namespace}"
+    for name, value in ((low, 10), (high, 1000)):
+        _create(kube, "workloadpriorityclasses", {"metadata": {"name": name}, "value": value})
+    return low, high
+
+
+def conditions_of(workload: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in (workload.get("status") or {}).get("conditions") or []}
+
+
+HOLD = "test.lockstep.dev/hold"
+"""A finalizer that keeps a deleted pod Terminating, as a slow vLLM shutdown would (kwok stops nothing itself)."""
+
+
 def test_jobs_wait_in_their_queue_for_quota_and_run_as_one_gang(kube: client.ApiClient, namespace: str) -> None:
     queue = queue_for_one_job(kube, namespace)
     queued_job(kube, namespace, "first", queue)
@@ -151,8 +177,10 @@ def test_jobs_wait_in_their_queue_for_quota_and_run_as_one_gang(kube: client.Api
     assert not job_pods(kube, namespace, "second"), "a queued job holds no pods"
 
     complete(kube, namespace, "first")
-    finished = {c["type"]: c for c in workload(kube, namespace, "first")["status"]["conditions"]}
-    assert finished[kueue.FINISHED]["status"] == "True"
+    wait_for(  # once its pods are gone
+        lambda: conditions_of(workload(kube, namespace, "first")).get(kueue.FINISHED) == "True",
+        "the finished job's Workload to be Finished",
+    )
     wait_phase(kube, namespace, "second", "Running")
     assert len(job_pods(kube, namespace, "second")) == 3
 
@@ -161,9 +189,7 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_w
     kube: client.ApiClient, namespace: str
 ) -> None:
     queue = queue_for_one_job(kube, namespace)
-    low, high = f"low-{namespace}", f"high-{namespace}"
-    for name, value in ((low, 10), (high, 1000)):
-        _create(kube, "workloadpriorityclasses", {"metadata": {"name": name}, "value": value})
+    low, high = priorities(kube, namespace)
     queued_job(kube, namespace, "background", queue, priority=low)
     wait_phase(kube, namespace, "background", "Running")
     assert workload(kube, namespace, "background")["spec"]["priority"] == 10
@@ -187,6 +213,88 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_w
     for pod in job_pods(kube, namespace, "background"):
         assert '"version":1' in pod.metadata.annotations[keys.INITIAL_WEIGHTS].replace(" ", ""), pod.metadata.name
     complete(kube, namespace, "background")
+
+
+def test_an_evicted_jobs_quota_goes_back_only_once_its_terminating_pods_are_gone(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    queue = queue_for_one_job(kube, namespace)
+    low, high = priorities(kube, namespace)
+    queued_job(kube, namespace, "slow", queue, priority=low)
+    wait_phase(kube, namespace, "slow", "Running")
+    core = client.CoreV1Api(kube)
+    core.patch_namespaced_pod("slow-actor-0", namespace, {"metadata": {"finalizers": [HOLD]}})
+
+    queued_job(kube, namespace, "urgent", queue, priority=high)
+    wait_phase(kube, namespace, "slow", "Queued")
+    wait_for(
+        lambda: (
+            [(p.metadata.name, bool(p.metadata.deletion_timestamp)) for p in job_pods(kube, namespace, "slow")]
+            == [("slow-actor-0", True)]
+        ),
+        "the evicted job's pods to be gone but the held one, Terminating",
+    )
+    # A spec edit the Workload does not carry: once the operator observed it, it has seen the held pod alone.
+    edited = patch_job(kube, namespace, "slow", {"spec": {"ttlSecondsAfterFinished": 3600}})["metadata"]["generation"]
+    wait_for(
+        lambda: get_job(kube, namespace, "slow")["status"].get("observedGeneration") == edited,
+        "the operator to observe the edit",
+    )
+    held = conditions_of(workload(kube, namespace, "slow"))
+    assert held[kueue.QUOTA_RESERVED] == "True", "a pod still shutting down keeps the quota from the preemptor"
+    assert not job_pods(kube, namespace, "urgent")
+
+    core.patch_namespaced_pod("slow-actor-0", namespace, {"metadata": {"finalizers": None}})
+    wait_phase(kube, namespace, "urgent", "Running")
+    assert conditions_of(workload(kube, namespace, "slow"))[kueue.QUOTA_RESERVED] == "False"
+    assert not job_pods(kube, namespace, "slow")
+
+
+def test_a_barrier_open_when_kueue_preempts_the_job_closes_as_interrupted(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    queue = queue_for_one_job(kube, namespace)
+    low, high = priorities(kube, namespace)
+    queued_job(kube, namespace, "mid", queue, priority=low)
+    wait_phase(kube, namespace, "mid", "Running")
+    announce_weights(kube, namespace, "mid", 1)  # no agent acks: the barrier stays open
+    wait_for(lambda: get_job(kube, namespace, "mid")["status"].get("barrier"), "the barrier to open")
+
+    queued_job(kube, namespace, "urgent", queue, priority=high)
+    preempted = wait_phase(kube, namespace, "mid", "Queued")
+    assert "barrier" not in preempted["status"], "no barrier stays open while the job holds no pods"
+    (record,) = preempted["status"]["barrierHistory"]
+    assert (record["version"], record["outcome"], record["reason"]) == (1, "Interrupted", "Preempted")
+    assert "weightsVersion" not in preempted["status"], "an interrupted barrier commits nothing"
+    wait_for(
+        lambda: any(
+            e.reason == "WeightUpdateInterrupted" and e.type == "Warning" and f"LocalQueue {queue}" in e.message
+            for e in events_for(kube, namespace, "mid")
+        ),
+        "the WeightUpdateInterrupted Event",
+    )
+
+
+def test_a_workload_deleted_by_hand_is_created_again_said_and_counted(kube: client.ApiClient, namespace: str) -> None:
+    queue = queue_for_one_job(kube, namespace)
+    queued_job(kube, namespace, "lost", queue)
+    wait_phase(kube, namespace, "lost", "Running")
+    name = workload(kube, namespace, "lost")["metadata"]["name"]
+    client.CustomObjectsApi(kube).delete_namespaced_custom_object(
+        kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name
+    )
+    wait_for(
+        lambda: get_job(kube, namespace, "lost")["status"].get("replacements") == 3,
+        "the gang's restart to be counted as 3 replacements",
+    )
+    wait_phase(kube, namespace, "lost", "Running")  # its Workload created again, and admitted
+    said = [e for e in events_for(kube, namespace, "lost") if e.reason == "WorkloadDeleted"]
+    assert said and said[0].type == "Warning" and f"Workload {name}" in said[0].message
+    deleting = [e.message for e in events_for(kube, namespace, "lost") if e.reason == "DeletingPods"]
+    assert any(f"Kueue Workload {name} was deleted" in m for m in deleting), deleting
+    assert not any("Kueue has not admitted" in m for m in deleting), "not read as an eviction"
+    status = get_job(kube, namespace, "lost")["status"]
+    assert status["restarts"] == 0 and status["queue"]["workload"] == name
 
 
 def test_a_person_suspends_a_queued_job_by_hand_and_its_quota_goes_to_the_next(

@@ -756,6 +756,7 @@ class BarrierStatus(Model):
 class BarrierOutcome(StrEnum):
     COMPLETED = "Completed"
     FAILED = "Failed"
+    INTERRUPTED = "Interrupted"
 
 
 class BarrierRecord(Model):
@@ -763,12 +764,19 @@ class BarrierRecord(Model):
 
     id: str = Field(description="<job uid>/<version>")
     version: int = Field(description="the weights version the barrier loaded")
-    outcome: BarrierOutcome = Field(description="Completed: every member serves the version; Failed: none committed")
+    outcome: BarrierOutcome = Field(
+        description="Completed: every member serves the version; Failed: none committed; Interrupted: the job's pods "
+        "were stopped (queued, preempted or suspended) while it was open, none committed"
+    )
     seconds: float = Field(description="from opening to closing, in seconds")
     phase_seconds: dict[str, float] = Field(description="phase → how long it took, in seconds")
     slowest_pod: str | None = Field(None, description="the member that acked the longest phase last")
     members: int = Field(description="how many pods took part")
     evicted: list[str] = Field(default_factory=list, description="members evicted as stragglers")
+    reason: str | None = Field(
+        None,
+        description="why an interrupted barrier closed: Suspended, QuotaExceeded, or Kueue's reason (Preempted...)",
+    )
 
 
 class ConditionStatus(StrEnum):

@@ -437,6 +437,12 @@ def _seconds_since(stamp: str, now: dt.datetime) -> float:
     return round((now - parse_rfc3339(stamp)).total_seconds(), 3)
 
 
+def interrupt(barrier: BarrierStatus, now: dt.datetime, reason: str) -> BarrierRecord:
+    """The record of ``barrier`` closed because the job's pods are stopped (``reason``: queued, preempted,
+    suspended): its version is not committed, and the pods start again from the committed weights."""
+    return _record(barrier, BarrierOutcome.INTERRUPTED, now).model_copy(update={"reason": reason})
+
+
 def remember(history: list[BarrierRecord], record: BarrierRecord | None) -> list[BarrierRecord]:
     """The history with ``record`` appended, keeping the newest HISTORY_LENGTH entries."""
     return history if record is None else [*history, record][-HISTORY_LENGTH:]

@@ -258,7 +258,7 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
     lines = [f"RLJob {name}: {state.get('phase', 'Pending')}, {weights}"]
     lines.append(
         f"  restarts {state.get('restarts', 0)} (failures, against spec.maxRestarts), replacements "
-        f"{state.get('replacements', 0)} (spec edits, policy changes, drift, evictions)"
+        f"{state.get('replacements', 0)} (spec edits, policy changes, drift, evictions, lost Workloads)"
     )
     for condition in state.get("conditions", []):
         lines.append(f"  {condition['type']}={condition['status']} ({condition['reason']}): {condition['message']}")
@@ -287,7 +287,8 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
     for record in state.get("barrierHistory", []):
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in record["phaseSeconds"].items())
         took = f"{record['seconds']:.2f} s ({phases})"
-        lines.append(f"  v{record['version']} {record['outcome']} in {took}; slowest {record.get('slowestPod')}")
+        outcome = f"{record['outcome']} ({record['reason']})" if record.get("reason") else record["outcome"]
+        lines.append(f"  v{record['version']} {outcome} in {took}; slowest {record.get('slowestPod')}")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ RLJob among its ``integrations.externalFrameworks``). A job labelled ``kueue.x-k
 with a pod set per role (the pods' real resource requests). Its pods are held until Kueue admits the Workload, and
 then carry the admitted ResourceFlavors' node labels and tolerations. When Kueue evicts the Workload (preemption, a
 stopped queue, ``spec.suspend``), the pods are deleted, the status and committed weights are kept, and once no pod is
-left the quota is handed back; when the job ends, the Workload is marked Finished.
+left running (a pod being deleted holds its devices until it stops) the quota is handed back; when the job ends, the
+Workload is marked Finished, once no pod is left running either.
 
 Every function is pure: lockstep.reconcile calls them with what the shell read.
 """
@@ -243,6 +244,20 @@ def _conditions_patch(
     for change in changes:
         conditions = _set_condition(workload, conditions, change, now)
     return conditions
+
+
+STOPPED_PHASES = ("Succeeded", "Failed")
+
+
+def holding_quota(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The pods that still hold the job's quota, by name: every pod whose containers have not stopped, those being
+    deleted included (Kueue's own pod integration counts a terminating pod as active until it stops; an evicted
+    vLLM may hold its GPUs until it has shut down)."""
+    return [
+        str(pod["metadata"]["name"])
+        for pod in pods
+        if (pod.get("status") or {}).get("phase", "Pending") not in STOPPED_PHASES
+    ]
 
 
 def release(workload: Mapping[str, Any], evicting: Evicting, now: str) -> dict[str, Any]:

@@ -7,8 +7,8 @@ import datetime as dt
 import json
 
 from factories import NOW
-from lockstep.api import BarrierStatus, TimeoutAction
-from lockstep.barrier import MEMBER_RETRIES, Decision, Member, step
+from lockstep.api import BarrierOutcome, BarrierStatus, TimeoutAction
+from lockstep.barrier import MEMBER_RETRIES, Decision, Member, interrupt, step
 from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights
 
 V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1")
@@ -265,3 +265,11 @@ def test_weights_announced_while_a_barrier_runs_open_the_next_one_in_the_step_th
     assert done.notes[-1] == "opened barrier job/2/1 for weights version 2 with 2 member(s)"
     failed = run(resuming, {"a": resumed["a"], "b": None}, seconds=31, loaded=1, announced=V2)
     assert failed.barrier is None and failed.failed is not None, "a failed barrier opens none (the job failed)"
+
+
+def test_an_interrupted_barrier_is_recorded_with_its_reason_and_commits_nothing() -> None:
+    opened = run(None, {"a": None, "b": None}).barrier
+    assert opened is not None
+    record = interrupt(opened, NOW + dt.timedelta(seconds=4), "Preempted")
+    assert (record.outcome, record.reason, record.version) == (BarrierOutcome.INTERRUPTED, "Preempted", 1)
+    assert record.seconds == 4 and record.members == 2, "its time ends when the pods were stopped"

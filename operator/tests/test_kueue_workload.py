@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from factories import NOW, job, policy, running
 from lockstep import keys, kueue
 from lockstep.api import Phase
 from lockstep.conditions import QUEUED, READY, find
+from lockstep.protocol import PROTOCOL
 from lockstep.reconcile import KueueView, Observed, Plan, reconcile
 
 FLAVOR = {
@@ -139,6 +141,8 @@ def test_a_finished_job_marks_its_workload_finished_once() -> None:
     pods[-1] = running(pods[-1], phase="Succeeded")  # trainer rank 0 completed, nothing announced
     done = plan_for({**body, "status": status(first)}, view_of(admitted), pods)
     assert done.status.phase is Phase.SUCCEEDED
+    assert not done.workload_status, "its actors still run while they are deleted: the quota is still theirs"
+    done = plan_for({**body, "status": status(done)}, view_of(admitted), pods[-1:])
     patch = done.workload_status[admitted["metadata"]["name"]]
     (finished,) = [c for c in patch["status"]["conditions"] if c["type"] == kueue.FINISHED]
     assert (finished["status"], finished["reason"]) == ("True", "Succeeded")
@@ -214,3 +218,63 @@ def test_a_labelled_job_says_so_when_the_operators_kueue_integration_is_off() ->
     found = find(plan.status.conditions, QUEUED)
     assert found is not None and (found.status.value, found.reason) == ("False", "KueueIntegrationOff")
     assert any(e.type == "Warning" and e.reason == "KueueIntegrationOff" for e in plan.events)
+
+
+def admitted_and_running() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """A queued job Kueue admitted, its pods running: the job, its Workload, its pods."""
+    body = queued()
+    admitted = kueue_says(the_workload(plan_for(body, view_of(None))), admitted=True)
+    first = plan_for(body, view_of(admitted))
+    pods = [running(p) for p in first.create_pods]
+    body["status"] = status(plan_for({**body, "status": status(first)}, view_of(admitted), pods))
+    assert body["status"]["phase"] == "Running"
+    return body, admitted, pods
+
+
+def test_an_evicted_job_hands_the_quota_back_only_once_no_pod_of_it_runs_terminating_ones_included() -> None:
+    body, admitted, pods = admitted_and_running()
+    evicted = kueue_says(admitted, evicted="Preempted")
+    stopping = plan_for(body, view_of(evicted), pods)
+    body["status"] = status(stopping)
+    terminating = {**pods[0], "metadata": {**pods[0]["metadata"], "deletionTimestamp": "2026-11-29T12:00:00Z"}}
+    held = plan_for(body, view_of(evicted), [terminating])
+    assert not held.workload_status, "a pod shutting down still holds its devices, so the quota is Kueue's still"
+    assert not held.delete_pods, "it is being deleted already"
+    stopped = {**terminating, "status": {"phase": "Failed"}}
+    assert evicted["metadata"]["name"] in plan_for(body, view_of(evicted), [stopped]).workload_status
+
+
+def test_an_open_barrier_is_interrupted_when_kueue_evicts_the_job() -> None:
+    body, admitted, pods = admitted_and_running()
+    trainer = next(p for p in pods if p["metadata"]["labels"][keys.ROLE] == keys.TRAINER)
+    trainer["metadata"]["annotations"][keys.WEIGHTS] = json.dumps(
+        {"protocol": PROTOCOL, "version": 4, "uri": "file:///var/lib/lockstep/uid-1/weights/v4", "digest": "sha256:4"}
+    )
+    opened = plan_for(body, view_of(admitted), pods)
+    assert opened.status.barrier is not None
+    body["status"] = status(opened)
+    evicted = plan_for(body, view_of(kueue_says(admitted, evicted="Preempted")), pods)
+    assert evicted.status.barrier is None and evicted.status.phase is Phase.QUEUED
+    assert [(r.version, r.outcome.value, r.reason) for r in evicted.status.barrier_history] == [
+        (4, "Interrupted", "Preempted")
+    ]
+    assert any(e.reason == "WeightUpdateInterrupted" and "team-queue" in e.message for e in evicted.events)
+
+
+def test_a_workload_deleted_while_admitted_is_created_again_said_and_counted_as_replacements() -> None:
+    body, admitted, pods = admitted_and_running()
+    name = admitted["metadata"]["name"]
+    lost = plan_for(body, view_of(None), pods)
+    assert the_workload(lost)["metadata"]["name"] == name, "created again"
+    assert set(lost.delete_pods) == {p["metadata"]["name"] for p in pods}
+    assert all(f"Workload {name} was deleted" in why for why in lost.delete_pods.values())
+    assert lost.status.replacements == len(pods) and lost.status.restarts == 0
+    found = find(lost.status.conditions, QUEUED)
+    assert found is not None and (found.status.value, found.reason) == ("True", "WorkloadDeleted")
+    (event,) = [e for e in lost.events if e.reason == "WorkloadDeleted"]
+    assert event.type == "Warning" and f"Workload {name}, admitted to ClusterQueue gpus, was deleted" in event.message
+
+    body["status"] = status(lost)
+    waiting = plan_for(body, view_of(kueue_says(the_workload(lost))), [])
+    assert waiting.status.replacements == len(pods), "counted once"
+    assert not [e for e in waiting.events if e.reason == "WorkloadDeleted"]

@@ -743,3 +743,50 @@ def test_a_pass_for_acks_alone_decides_what_the_whole_pipeline_decides(
             pods[2]["status"] = {**pods[2]["status"], "phase": "Succeeded"}
         stepped = whole.waiting_for is not None and not whole.delete_pods and trainer == "works"
         now += dt.timedelta(seconds=seconds)
+
+
+@settings(max_examples=50, deadline=None)
+@given(acked=st.sampled_from([0, 1, 2]), waited=st.integers(0, 3600))
+def test_suspending_a_job_mid_barrier_closes_the_barrier_as_interrupted(acked: int, waited: int) -> None:
+    body, pods = settle(job())
+    announce(pods[2], 1)
+    opened = plan_for(body, pods)
+    for pod in pods[:acked]:
+        command = json.loads(opened.annotate_pods[pod["metadata"]["name"]][keys.BARRIER])
+        ack = {"protocol": PROTOCOL, "id": command["id"], "phase": "Updated", "loadedVersion": 1}
+        pod["metadata"]["annotations"][keys.BARRIER_ACK] = json.dumps(ack)
+    body = {**body, "status": status_of(opened)}
+    later = NOW + dt.timedelta(seconds=waited)  # past the deadline, too: the suspension closes it, not a timeout
+    suspended = plan_for({**body, "spec": {**body["spec"], "suspend": True}}, pods, now=later)
+    assert suspended.status.barrier is None
+    (record,) = suspended.status.barrier_history
+    assert (record.outcome.value, record.reason, record.seconds) == ("Interrupted", "Suspended", waited)
+    assert suspended.status.weights_version is None and suspended.status.phase is Phase.SUSPENDED
+    (event,) = [e for e in suspended.events if e.reason == "WeightUpdateInterrupted"]
+    assert event.type == "Warning" and "suspended" in event.message and "version 1" in event.message
+    again = plan_for({**body, "spec": {**body["spec"], "suspend": True}, "status": status_of(suspended)}, [], now=later)
+    assert not [e for e in again.events if e.reason == "WeightUpdateInterrupted"], "said once"
+
+
+QUOTA_MESSAGE = (
+    'pods "demo-actor-1" is forbidden: exceeded quota: team-pods, requested: count/pods=1, used: count/pods=2, '
+    "limited: count/pods=2"
+)
+
+
+def test_a_resource_quota_that_refuses_some_pods_makes_the_job_release_all_of_them() -> None:
+    body, pods = settle(job())
+    got = [p for p in pods if p["metadata"]["name"] != "demo-actor-1"]
+    refused = {"Pod demo-actor-1": QUOTA_MESSAGE}
+    plan = reconcile(Observed(body, got, [policy()], {}, NOW, rejected=refused))
+    assert set(plan.delete_pods) == {p["metadata"]["name"] for p in got}, "a job runs all its pods or none"
+    assert not plan.create_pods
+    assert condition(plan, READY) == ("False", "QuotaExceeded")
+    assert condition(plan, "Stalled") == ("False", "NotStalled"), "it waits for quota, like a queued job"
+    message = find(plan.status.conditions, READY).message  # type: ignore[union-attr]
+    assert "ResourceQuota team-pods in namespace team-a" in message and "Kueue" in message
+    assert plan.status.phase is Phase.PENDING and plan.status.actors.ready == 0
+    assert any(e.reason == "QuotaExceeded" and e.type == "Warning" for e in plan.events)
+    other = {"Pod demo-actor-1": 'Pod "demo-actor-1" is invalid: spec.containers[0].image: Required value'}
+    kept = reconcile(Observed(body, got, [policy()], {}, NOW, rejected=other))
+    assert not kept.delete_pods, "another refusal keeps the pods that run"

@@ -66,6 +66,7 @@ def _steps(run: Pass) -> None:
         return
     placements = queue.admit(run, spec, wanted.all)
     if spec.suspend:
+        weights.interrupt(run, Reason.SUSPENDED, "the job is suspended (spec.suspend)")
         run.stop_all_pods("the job is suspended")
         run.status.phase = Phase.SUSPENDED
         run.condition(READY, False, Reason.SUSPENDED, "spec.suspend is true: pods are deleted, the status is kept")

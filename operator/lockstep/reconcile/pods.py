@@ -4,6 +4,7 @@ the job is Running once every pod is ready."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from lockstep import desired, keys
@@ -39,10 +40,25 @@ def apply_children(run: Pass, spec: RLJobSpec, config: EffectiveConfig, pods: De
         run.plan.remove_children.append(("NetworkPolicy", desired.network_policy_name(run.job.name)))
 
 
+QUOTA_REFUSAL = re.compile(r"exceeded quota: ([^,\s]+)")
+"""How the API server names the ResourceQuota that refused an object."""
+
+
+def refusing_quotas(rejected: dict[str, str]) -> list[str]:
+    """The ResourceQuotas that refused one of the job's pods (``rejected``: object → the API server's message)."""
+    found = (QUOTA_REFUSAL.search(message) for what, message in rejected.items() if what.startswith("Pod "))
+    return sorted({match.group(1) for match in found if match is not None})
+
+
 def report_rejected(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None:
     """The API server refused a child of this spec: say so, create nothing more until the spec changes, and
-    keep an open barrier moving for the pods that run."""
+    keep an open barrier moving for the pods that run. A ResourceQuota that refused a pod makes the job release
+    every pod it has (release_for_quota)."""
     refused = "; ".join(f"{what}: {message}" for what, message in sorted(run.observed.rejected.items()))
+    quotas = refusing_quotas(run.observed.rejected)
+    if quotas:
+        release_for_quota(run, spec, quotas, refused)
+        return
     run.plan.children = []
     if run.status.phase is not Phase.RUNNING:
         run.status.phase = Phase.PENDING
@@ -91,6 +107,26 @@ def _whose(run: Pass, metadata: dict[str, Any]) -> str:
     owned = ", ".join(f"{owner.get('kind')} {owner.get('name')}" for owner in owners) or "nobody"
     written = f", written by {', '.join(managers)}" if managers else ""
     return f"exists and is not Lockstep's (it lacks the labels {wanted}): owned by {owned}{written}"
+
+
+def release_for_quota(run: Pass, spec: RLJobSpec, quotas: list[str], refused: str) -> None:
+    """A ResourceQuota refused some of the job's pods: the job runs all of its pods or none, so it releases those
+    it got (other jobs in the namespace may use the quota) and tries again on the operator's next resync."""
+    names = ", ".join(quotas)
+    why = f"ResourceQuota {names} refused some of the job's pods: a job runs all its pods or none"
+    weights.interrupt(run, Reason.QUOTA_EXCEEDED, why)
+    run.stop_all_pods(why)
+    run.status.phase = Phase.PENDING
+    run.condition(
+        READY,
+        False,
+        Reason.QUOTA_EXCEEDED,
+        f"ResourceQuota {names} in namespace {run.job.namespace} does not leave room for every pod of the job "
+        f"({refused}). The job releases the pods it got, so that other jobs may use the quota, and tries again "
+        "every minute; raise the quota, or queue the job with Kueue (label kueue.x-k8s.io/queue-name), which "
+        "admits a job's pods together",
+    )
+    summary.count(run, spec, {})
 
 
 def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str, dict[str, Any]]:

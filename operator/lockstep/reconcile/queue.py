@@ -8,7 +8,7 @@ from typing import Any
 from lockstep import desired, kueue
 from lockstep.api import Phase, QueueStatus, RLJobSpec
 from lockstep.conditions import QUEUED, READY
-from lockstep.reconcile import summary
+from lockstep.reconcile import summary, weights
 from lockstep.reconcile.context import Pass
 from lockstep.reconcile.reasons import Reason
 
@@ -45,10 +45,19 @@ def admit(run: Pass, spec: RLJobSpec, pods: list[dict[str, Any]]) -> desired.Pla
     # Other pod sets than the admitted ones: the old Workload goes, and the new one waits for admission.
     run.plan.remove_children += [(kueue.WORKLOAD, w["metadata"]["name"]) for w in view.workloads if w is not current]
     queued = QueueStatus(local_queue=queue, workload=name)
+    lost_from = _admitted_then_lost(run, name) if current is None else None
+    if lost_from is not None:
+        message = (
+            f"Workload {name}, admitted to ClusterQueue {lost_from}, was deleted while the job ran; the operator "
+            "creates it again, and the job's pods wait for Kueue to admit it"
+        )
+        run.replace(dict.fromkeys(run.pods, f"their Kueue Workload {name} was deleted: they wait for its admission"))
+        _wait(run, spec, queued, Reason.WORKLOAD_DELETED, message)
+        return None
     decided = kueue.state(current)
     if isinstance(decided, kueue.Evicting):
         assert current is not None
-        if not run.pods:
+        if not kueue.holding_quota(run.observed.pods):
             run.plan.workload_status[name] = kueue.release(current, decided, run.now)
         message = (
             f"Kueue evicted Workload {name} ({decided.reason}: {decided.message}); its pods are deleted, the "
@@ -69,6 +78,15 @@ def admit(run: Pass, spec: RLJobSpec, pods: list[dict[str, Any]]) -> desired.Pla
     return kueue.placements(decided, view.flavors)
 
 
+def _admitted_then_lost(run: Pass, name: str) -> str | None:
+    """The ClusterQueue that had admitted the Workload ``name``, now gone, while the job's pods ran (it was
+    deleted by hand: Kueue's own job integrations create it again, and so does the operator); else None."""
+    last = run.old.queue
+    if last is None or last.workload != name or not run.pods:
+        return None
+    return last.cluster_queue
+
+
 def _wait(run: Pass, spec: RLJobSpec, queued: QueueStatus, reason: str, message: str) -> None:
     """The job waits for Kueue: no pods, status Queued with Kueue's reason (spec.suspend says Suspended)."""
     run.status.queue = queued
@@ -76,6 +94,7 @@ def _wait(run: Pass, spec: RLJobSpec, queued: QueueStatus, reason: str, message:
     run.condition(QUEUED, True, reason, text)
     if spec.suspend:
         return
+    weights.interrupt(run, reason, f"the job waits in LocalQueue {queued.local_queue} for Kueue")
     run.stop_all_pods("Kueue has not admitted the job (or evicted it)")
     run.status.phase = Phase.QUEUED
     run.condition(READY, False, Reason.QUEUED, text)

@@ -19,6 +19,7 @@ class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     CHILD_REJECTED = "ChildRejected"
     POD_NAME_TAKEN = "PodNameTaken"
+    QUOTA_EXCEEDED = "QuotaExceeded"
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
     WEIGHT_UPDATE_FAILED = "WeightUpdateFailed"
     PREFLIGHT_FAILED = "PreflightFailed"
@@ -40,20 +41,22 @@ class Reason(StrEnum):
     PRIORITY_CLASS_NOT_FOUND = "PriorityClassNotFound"
     FLAVOR_NOT_FOUND = "FlavorNotFound"
     KUEUE_INTEGRATION_OFF = "KueueIntegrationOff"
+    WORKLOAD_DELETED = "WorkloadDeleted"
     # Events only
     PREFLIGHT_PASSED = "PreflightPassed"
     WEIGHT_UPDATE = "WeightUpdate"
+    WEIGHT_UPDATE_INTERRUPTED = "WeightUpdateInterrupted"
     INVALID_WEIGHTS_ANNOUNCEMENT = "InvalidWeightsAnnouncement"
     CREATING_PODS = "CreatingPods"
     DELETING_PODS = "DeletingPods"
 
 
-WARNING = frozenset({Reason.LOCKED_VALUES_APPLIED, Reason.MISMATCH_BUDGET_EXCEEDED})
+WARNING = frozenset({Reason.LOCKED_VALUES_APPLIED, Reason.MISMATCH_BUDGET_EXCEEDED, Reason.WORKLOAD_DELETED})
 """Reasons whose transition Event is a Warning even though the condition is True."""
 BENIGN = frozenset({Reason.PODS_NOT_READY, Reason.SUSPENDED, Reason.QUEUED, Reason.ADMITTED, Reason.WITHIN_BUDGET})
 """False conditions that are ordinary progress rather than trouble (their Events are Normal)."""
-WAITING = frozenset({Reason.SUSPENDED, Reason.QUEUED})
-"""Ready=False while the job waits for a person or for Kueue: neither Stalled nor Reconciling."""
+WAITING = frozenset({Reason.SUSPENDED, Reason.QUEUED, Reason.QUOTA_EXCEEDED})
+"""Ready=False while the job waits for a person, for Kueue or for quota: neither Stalled nor Reconciling."""
 STALLED = frozenset(
     {
         Reason.INVALID_SPEC,

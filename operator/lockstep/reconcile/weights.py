@@ -86,6 +86,26 @@ def keep_moving(run: Pass, spec: RLJobSpec, ranks: int) -> None:
         step(run, spec, run.pods, ranks, budget.Updates.HELD)
 
 
+def interrupt(run: Pass, reason: str, why: str) -> None:
+    """The job's pods are stopped (``why``, for people): an open barrier closes now as Interrupted (``reason``),
+    in its history and an Event; its version is not committed, and a new barrier opens once the pods run again."""
+    open_barrier = run.status.barrier
+    if open_barrier is None:
+        return
+    record = barrier.interrupt(open_barrier, run.observed.now, reason)
+    run.status.barrier = None
+    run.status.barrier_history = barrier.remember(run.status.barrier_history, record)
+    committed = run.status.weights_version
+    kept = f"the committed weights stay at version {committed}" if committed else "no weights were committed yet"
+    run.event(
+        Reason.WEIGHT_UPDATE_INTERRUPTED,
+        f"barrier {open_barrier.id} for weights version {open_barrier.version} was interrupted in phase "
+        f"{open_barrier.phase.value} because {why} ({reason}); {kept}, and a new barrier brings the pods on once "
+        "they run again",
+        warning=True,
+    )
+
+
 def with_committed_weights(run: Pass, pod: dict[str, Any]) -> dict[str, Any]:
     """A new pod starts from the committed weights (it joins a catch-up barrier if newer ones are in flight)."""
     if run.status.weights is not None:
