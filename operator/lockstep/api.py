@@ -262,7 +262,9 @@ class PodOverrides(Model):
         None, description="Node and pod affinity of the role's pods, as in a pod.", json_schema_extra=OPAQUE_OBJECT
     )
     env: list[EnvVar] | None = Field(
-        None, description="Environment variables added to the role's container, after the ones the operator sets."
+        None,
+        description="Environment variables added to the role's container, after the ones the operator sets. HOME "
+        "(default /home/lockstep, the operator's writable emptyDir) may be set here instead.",
     )
     volumes: list[dict[str, Any]] | None = Field(
         None,
@@ -272,7 +274,9 @@ class PodOverrides(Model):
     volume_mounts: list[dict[str, Any]] | None = Field(
         None,
         description="Mounts of those volumes in the role's container, as in a pod. The operator mounts "
-        "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself.",
+        "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself, and "
+        "emptyDirs on the read-only root filesystem at /tmp, /home/lockstep and (GPU pods) /dev/shm, which a mount "
+        "here at the same path replaces.",
         json_schema_extra=OPAQUE_LIST,
     )
 
