@@ -357,10 +357,11 @@ def _pod(
         volumes.append({"name": "lockstep-shared", **shared})
         env.append({"name": "LOCKSTEP_SHARED_DIR", "value": f"{SHARED_MOUNT}/{job.uid}"})
     own_env = [variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or []]
-    defaults = [{"name": name, "value": value} for name, value in WORKER_ENV.items()]
+    own_names = {variable["name"] for variable in own_env}
+    env += [{"name": name, "value": value} for name, value in WORKER_ENV.items() if name not in own_names]
     container = {
         **container,
-        "env": [*env, *(d for d in defaults if d["name"] not in {v["name"] for v in own_env}), *own_env],
+        "env": [*env, *own_env],
         "resources": overrides.resources.model_dump(by_alias=True, exclude_none=True) if overrides.resources else {},
         "volumeMounts": [*mounts, *(overrides.volume_mounts or [])],
         "securityContext": {
