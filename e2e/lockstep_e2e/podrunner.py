@@ -4,7 +4,8 @@ kwok keeps each pod's status; this runs what the pod would run, with the pod's c
 and environment (fieldRefs resolved), authenticated as the pod's service account with a token bound
 to the pod (what the kubelet would mount), through a kubeconfig instead of the in-cluster files.
 Volumes map to local directories: a hostPath to its own path, a configMap to its keys written out,
-an emptyDir to a fresh directory; paths under a mount in the environment and arguments are rewritten.
+an emptyDir to a fresh directory (but /tmp stays the machine's own, where the tests' paths are); paths under
+a mount in the environment and arguments are rewritten.
 
 ``JobPods`` runs every pod of an RLJob this way, on local ports (each actor's own; the trainer is
 pointed at them), reports a process's exit as the pod's phase, and stops a process once its pod is
@@ -48,6 +49,8 @@ def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], log
         volume = volumes[mount["name"]]
         if "projected" in volume:
             continue  # the service account token: given through the kubeconfig instead
+        if "emptyDir" in volume and mount["mountPath"] == "/tmp":
+            continue  # the pod's scratch /tmp: the machine's own, which holds the tests' model and data (tmp_path)
         if "hostPath" in volume:
             local = Path(volume["hostPath"]["path"])
         elif "configMap" in volume:

@@ -76,6 +76,13 @@ def run_in(rootfs: Path, config: dict[str, Any], argv: list[str], log: Path, *, 
     return process
 
 
+def empty_dirs(pod: dict[str, Any]) -> tuple[str, ...]:
+    """Where the pod's container mounts emptyDirs: writable (a fresh tmpfs each) on its read-only root filesystem."""
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    mounts = pod["spec"]["containers"][0]["volumeMounts"]
+    return tuple(mount["mountPath"] for mount in mounts if "emptyDir" in volumes[mount["name"]])
+
+
 def finished(process: Component, timeout: float) -> str:
     """The process's output once it has exited with 0."""
     assert process.process is not None
@@ -220,7 +227,8 @@ def test_the_cpu_worker_image_runs_the_rendered_commands_as_its_user(
     worker_image: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
     """Each module the operator renders for the demo's pods starts in the image as uid 10001, with the pod's
-    mounts (the model, /etc/lockstep, /var/lib/lockstep), and imports vLLM and torch."""
+    mounts (the model, /etc/lockstep, /var/lib/lockstep, its emptyDirs on the read-only root), and imports vLLM and
+    torch."""
     rootfs, config = worker_image
     assert config["User"] == f"{WORKER_UID}:{WORKER_UID}"
     spec = RLJobSpec.model_validate(yaml.safe_load((images.REPO / "examples" / "rljob-tiny.yaml").read_text())["spec"])
@@ -233,7 +241,12 @@ def test_the_cpu_worker_image_runs_the_rendered_commands_as_its_user(
     ]
     for pod in pods:
         container = pod["spec"]["containers"][0]
-        volumes = {mount["mountPath"]: tmp_path / "volumes" / mount["name"] for mount in container["volumeMounts"]}
+        writable = empty_dirs(pod)
+        volumes = {
+            mount["mountPath"]: tmp_path / "volumes" / mount["name"]
+            for mount in container["volumeMounts"]
+            if mount["mountPath"] not in writable
+        }
         volumes[spec.model.uri] = tmp_path / "model"
         for directory in volumes.values():
             directory.mkdir(parents=True, exist_ok=True)
@@ -248,7 +261,7 @@ def test_the_cpu_worker_image_runs_the_rendered_commands_as_its_user(
             tmp_path / f"{module}.log",
             uid=WORKER_UID,
             volumes=volumes,
-            writable=("/tmp", "/home/lockstep"),
+            writable=writable,
         )
         output = finished(process, timeout=300)
         assert "usage:" in output, output
@@ -286,7 +299,9 @@ def test_the_cpu_worker_image_runs_the_preflight_pod_the_operator_renders(
         wait_for(lambda: any(p.metadata.name == checker for p in core.list_namespaced_pod(namespace).items), checker)
         pod = read_pod(kube, namespace, checker)
         container = pod["spec"]["containers"][0]
-        volumes = local_mounts(kube, namespace, pod, tmp_path / "pods")
+        writable = empty_dirs(pod)
+        mounts = local_mounts(kube, namespace, pod, tmp_path / "pods")
+        volumes = {path: local for path, local in mounts.items() if path not in writable}
         volumes[manifest["spec"]["model"]["uri"]] = model
         env = {v["name"]: v["value"] for v in container["env"] if "value" in v}
         env |= {
@@ -303,7 +318,7 @@ def test_the_cpu_worker_image_runs_the_preflight_pod_the_operator_renders(
             env={**env, "KUBECONFIG": "/tmp/kubeconfig"},
             files={"/tmp/kubeconfig": kubeconfig},
             volumes=volumes,
-            writable=("/tmp", "/home/lockstep"),
+            writable=writable,
         )
         assert process.process is not None
         pid = process.process.pid

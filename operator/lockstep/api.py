@@ -326,7 +326,8 @@ class PodOverrides(Model):
     env: list[EnvVar] | None = Field(
         None,
         max_length=MAX_PASSED_THROUGH,
-        description="Environment variables added to the role's container, after the ones the operator sets.",
+        description="Environment variables added to the role's container, after the ones the operator sets. HOME "
+        "(default /home/lockstep, the operator's writable emptyDir) may be set here instead.",
     )
     volumes: list[dict[str, Any]] | None = Field(
         None,
@@ -340,7 +341,8 @@ class PodOverrides(Model):
         max_length=MAX_PASSED_THROUGH,
         description="Mounts of those volumes in the role's container, as in a pod. The operator mounts "
         "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself: nothing "
-        "may be mounted at or under them.",
+        "may be mounted at or under them. It also mounts emptyDirs on the read-only root filesystem at /tmp, "
+        "/home/lockstep and (GPU pods) /dev/shm, which a mount here at the same path replaces.",
         json_schema_extra=_passed_through(
             "mountPath", "Where the volume appears in the container, as in a pod.", RESERVED_MOUNT_RULE, 1024
         ),

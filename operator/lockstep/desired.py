@@ -28,6 +28,16 @@ WEIGHTS_GROUP_PORT = 9501
 """Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0."""
 WORKER_UID = 10001
 """The uid and gid Lockstep's worker images run as (images/); the pods' fsGroup, so volumes they write are theirs."""
+WORKER_HOME = "/home/lockstep"
+"""The worker images' home (images/). The root filesystem is read-only; the pods mount a fresh emptyDir here, for
+what vLLM, torch, Triton, CUDA and Hugging Face write under it (~/.cache, ~/.config, ~/.triton, ~/.nv)."""
+WRITABLE_DIRS = {"lockstep-tmp": "/tmp", "lockstep-home": WORKER_HOME}
+"""Volume name → path of the emptyDirs every worker container writes in, its root filesystem being read-only (GPU
+pods also get /dev/shm, SHM_DIR). A mount of the role's own at one of these paths replaces the operator's."""
+SHM_DIR = "/dev/shm"
+WORKER_ENV = {"HOME": WORKER_HOME}
+"""Environment defaults of every worker container (so that a custom image's home is the writable one too). A
+variable of the same name in the role's env replaces the default."""
 GPU = "nvidia.com/gpu"
 
 
@@ -333,26 +343,40 @@ def _pod(
     ]
     mounts = [{"name": "lockstep-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "lockstep-config", "configMap": {"name": config_map_name(job.name)}}]
-    own_shm = any(mount.get("mountPath") == "/dev/shm" for mount in overrides.volume_mounts or [])
-    if requests_gpu(overrides) and not own_shm:  # NCCL's shared-memory transport outgrows the runtime's 64 MiB
-        mounts.append({"name": "lockstep-shm", "mountPath": "/dev/shm"})
-        volumes.append({"name": "lockstep-shm", "emptyDir": {"medium": "Memory"}})
+    for volume, (path, empty_dir) in _writable_dirs(overrides).items():
+        mounts.append({"name": volume, "mountPath": path})
+        volumes.append({"name": volume, "emptyDir": empty_dir})
     shared = _shared_volume(spec, role)
     if shared is not None:
         # The trainer writes weights here; the other pods only read them.
         mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role != keys.TRAINER})
         volumes.append({"name": "lockstep-shared", **shared})
         env.append({"name": environment.SHARED_DIR, "value": f"{SHARED_MOUNT}/{job.uid}"})
+    own_env = [variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or []]
+    own_names = {variable["name"] for variable in own_env}
+    env += [{"name": name, "value": value} for name, value in WORKER_ENV.items() if name not in own_names]
     container = {
         **container,
-        "env": [*env, *(variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or [])],
+        "env": [*env, *own_env],
         "resources": overrides.resources.model_dump(by_alias=True, exclude_none=True) if overrides.resources else {},
         "volumeMounts": [*mounts, *(overrides.volume_mounts or [])],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     pod_spec: dict[str, Any] = {
         # The operator, not the kubelet, restarts failed pods, so that maxRestarts counts every failure.
         "restartPolicy": "Never",
-        "securityContext": {"fsGroup": WORKER_UID},
+        # Pod Security "restricted"; GPUs need no privileges (the device plugin hands the pod its devices).
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "serviceAccountName": worker_account_name(job.name),
         "containers": [container],
         "volumes": [*volumes, *(overrides.volumes or [])],
@@ -377,6 +401,16 @@ def requests_gpu(overrides: PodOverrides) -> bool:
     are the role's own env, passed through as it is."""
     resources = overrides.resources
     return resources is not None and any(GPU in (amounts or {}) for amounts in (resources.limits, resources.requests))
+
+
+def _writable_dirs(overrides: PodOverrides) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Volume name → (path, emptyDir) of the role's writable directories: WRITABLE_DIRS and, on GPU pods, SHM_DIR
+    in memory; without those the role mounts itself."""
+    dirs: dict[str, tuple[str, dict[str, Any]]] = {name: (path, {}) for name, path in WRITABLE_DIRS.items()}
+    if requests_gpu(overrides):  # NCCL's shared-memory transport outgrows the runtime's 64 MiB
+        dirs["lockstep-shm"] = (SHM_DIR, {"medium": "Memory"})
+    own = {mount.get("mountPath") for mount in overrides.volume_mounts or []}
+    return {name: (path, empty_dir) for name, (path, empty_dir) in dirs.items() if path not in own}
 
 
 def _shared_volume(spec: RLJobSpec, role: str) -> dict[str, Any] | None:

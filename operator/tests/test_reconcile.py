@@ -675,6 +675,42 @@ def test_a_pod_that_requests_gpus_gets_its_local_rank_shared_memory_and_nccl_set
     assert all(m["mountPath"] != "/dev/shm" for m in actor["volumeMounts"])
 
 
+def test_every_pod_runs_as_the_worker_user_on_a_read_only_root_with_writable_scratch_dirs() -> None:
+    """Pod Security "restricted" (e2e: test_pod_security); a role's own HOME and its own mount at /tmp replace the
+    operator's defaults, never giving the container a name or a mount path twice."""
+    trainer = {
+        "image": "t",
+        "reward": REWARD,
+        "env": [{"name": "HOME", "value": "/scratch"}],
+        "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
+    }
+    pods = {p["metadata"]["name"]: p for p in plan_for(job(trainer=trainer, preflight={"enabled": True})).create_pods}
+    pods |= {p["metadata"]["name"]: p for p in plan_for(job(trainer=trainer)).create_pods}
+    assert set(pods) == {"demo-preflight-0", "demo-actor-0", "demo-actor-1", "demo-trainer-0"}
+    for pod in pods.values():
+        security = pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] and security["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert security["runAsUser"] == security["runAsGroup"] == security["fsGroup"] == 10001
+        [container] = pod["spec"]["containers"]
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        names = [e["name"] for e in container["env"]]
+        paths = [m["mountPath"] for m in container["volumeMounts"]]
+        assert len(names) == len(set(names)) and len(paths) == len(set(paths))
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        mounted = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        if pod["metadata"]["labels"][keys.ROLE] == keys.TRAINER:
+            assert env["HOME"] == "/scratch" and mounted["/tmp"]["name"] == "scratch"
+        else:
+            assert env["HOME"] == "/home/lockstep" and mounted["/tmp"] == {"name": "lockstep-tmp", "emptyDir": {}}
+        assert mounted["/home/lockstep"] == {"name": "lockstep-home", "emptyDir": {}}
+
+
 ack_moves = st.sampled_from(["answer"] * 4 + ["none", "error", "stale", "unreadable"])  # mostly barriers that end
 
 
