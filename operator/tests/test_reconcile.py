@@ -651,6 +651,26 @@ def test_a_pod_that_requests_gpus_gets_its_local_rank_shared_memory_and_nccl_set
     assert all(m["mountPath"] != "/dev/shm" for m in actor["volumeMounts"])
 
 
+def test_each_pod_mounts_only_its_jobs_directory_of_the_shared_volume_and_only_the_trainer_writes() -> None:
+    for spec in ({}, {"weightSync": {"backend": "gloo"}}, {"preflight": {"enabled": True}}):
+        for pod in plan_for(job(**spec)).create_pods:
+            [container] = pod["spec"]["containers"]
+            mounts = [m for m in container["volumeMounts"] if m["name"] == "lockstep-shared"]
+            role = pod["metadata"]["labels"][keys.ROLE]
+            if not mounts:  # a collective job's actors take weights from the trainer, never from a volume
+                assert spec and role == keys.ACTOR
+                continue
+            [shared] = mounts
+            assert shared == {
+                "name": "lockstep-shared",
+                "mountPath": "/var/lib/lockstep/uid-1",
+                "subPath": "uid-1",
+                "readOnly": role != keys.TRAINER,
+            }, pod["metadata"]["name"]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["LOCKSTEP_SHARED_DIR"] == shared["mountPath"]
+
+
 ack_moves = st.sampled_from(["answer"] * 4 + ["none", "error", "stale", "unreadable"])  # mostly barriers that end
 
 
