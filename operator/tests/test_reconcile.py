@@ -589,8 +589,16 @@ def test_weights_from_outside_the_jobs_own_directory_or_trainer_are_refused() ->
         assert plan.status.barrier is None, uri
         assert any(e.reason == "InvalidWeightsAnnouncement" and uri in e.message for e in plan.events)
     gloo, gloo_pods = settle(job(weightSync={"backend": "gloo"}))
-    announce(gloo_pods[2], 5, uri="file:///var/lib/lockstep/uid-1/weights/v5.safetensors")
-    assert plan_for(gloo, gloo_pods).status.barrier is None, "a collective job takes weights from its trainer only"
+    for uri in (
+        "file:///var/lib/lockstep/uid-1/weights/v5.safetensors",
+        "http://other-trainer-0.other-trainer.f.svc:9500/weights/5",
+        "http://169.254.169.254:80/weights/5",
+        "http://user:pw@evil.example/weights/5",
+    ):
+        announce(gloo_pods[2], 5, uri=uri)
+        assert plan_for(gloo, gloo_pods).status.barrier is None, (
+            f"a collective job takes weights from its trainer only: {uri}"
+        )
     announce(gloo_pods[2], 5)
     assert plan_for(gloo, gloo_pods).status.barrier is not None
 
