@@ -62,7 +62,7 @@ def origin_problem(uri: str, version: int, origin: WeightsOrigin) -> str | None:
     path = unquote(urlsplit(uri).path)
     segments = path.split("/")[1:]
     if any(segment in (".", "..") for segment in segments) or "\0" in path:
-        return "has a '.' or '..' segment"
+        return "has a '.', '..' or NUL in its path"
     if origin.directory not in PurePosixPath(path).parents:
         return "names a file outside the job's weights directory"
     return None
