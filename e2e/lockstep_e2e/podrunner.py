@@ -136,7 +136,7 @@ def run_pod(
     token = service_account_token(api, namespace, body["spec"]["serviceAccountName"], pod=body, seconds=3600)
     environment["KUBECONFIG"] = str(cluster.token_kubeconfig(f"pod-{namespace}-{pod}", token))
     environment.update(env or {})
-    argv = command or [_localize(a, mounts) for a in [*container.get("command", []), *container.get("args", [])]]
+    argv = [_localize(a, mounts) for a in command or [*container.get("command", []), *container.get("args", [])]]
     for flag, value in (args or {}).items():
         argv = [f"{flag}={value}" if a.startswith(f"{flag}=") else a for a in argv]
     if argv and argv[0] == "python":
