@@ -4,8 +4,12 @@ kwok keeps each pod's status; this runs what the pod would run, with the pod's c
 and environment (fieldRefs resolved), authenticated as the pod's service account with a token bound
 to the pod (what the kubelet would mount), through a kubeconfig instead of the in-cluster files.
 Volumes map to local directories: a hostPath to its own path, a configMap to its keys written out,
-an emptyDir to a fresh directory (but /tmp stays the machine's own, where the tests' paths are); paths under
-a mount in the environment and arguments are rewritten.
+an emptyDir to a fresh directory (but /tmp stays the machine's own, where the tests' paths are), each with its
+``subPath`` below it. A mount with a ``subPath`` (the job's own directory of the shared volume, whose paths the
+pods announce) is real: the process runs in a mount namespace of its own (``unshare``, as root) where that
+directory is bind-mounted at its ``mountPath``, read-only when the mount is; there ``hosts`` names (trainer rank
+0's DNS name) resolve to 127.0.0.1 too. Paths under any other mount, in the environment and arguments, are
+rewritten to the local directory.
 
 ``JobPods`` runs every pod of an RLJob this way, on local ports (each actor's own; the trainer is
 pointed at them), reports a process's exit as the pod's phase, and stops a process once its pod is
@@ -15,6 +19,7 @@ deleted, as a kubelet does.
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import sys
 import threading
@@ -28,7 +33,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lockstep import keys
-from lockstep.desired import pod_name, rank0_name
+from lockstep.desired import JobRef, pod_name, rank0_name, trainer_host
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import read_pod, service_account_token
 from lockstep_e2e.jobs import get_job
@@ -63,9 +68,27 @@ def local_mounts(api: client.ApiClient, namespace: str, pod: dict[str, Any], log
             local = local_volume(logs, pod["metadata"]["name"], mount["name"])
         else:
             raise ValueError(f"the pod runner cannot stand in for volume {volume['name']!r}: {sorted(volume)}")
+        local = local / mount.get("subPath", "")
         local.mkdir(parents=True, exist_ok=True)
         mounts[mount["mountPath"]] = local
     return mounts
+
+
+def in_pod_namespace(argv: list[str], bound: dict[str, tuple[Path, bool]], hosts: Path | None) -> list[str]:
+    """``argv`` run in a mount namespace of its own, where each ``bound`` mountPath is its local directory
+    (read-only when flagged), over a tmpfs on the mountPath's parent, and /etc/hosts is ``hosts`` if given."""
+    script = ["set -e"]
+    for parent in sorted({str(Path(path).parent) for path in bound}):
+        Path(parent).mkdir(parents=True, exist_ok=True)  # an empty mount point on this machine
+        script.append(f"mount -t tmpfs lockstep-pod {shlex.quote(parent)}")
+    for path, (local, read_only) in sorted(bound.items()):
+        script += [f"mkdir -p {shlex.quote(path)}", f"mount --bind {shlex.quote(str(local))} {shlex.quote(path)}"]
+        if read_only:
+            script.append(f"mount -o remount,bind,ro {shlex.quote(path)}")
+    if hosts is not None:
+        script.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
+    script.append('exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", "\n".join(script), "sh", *argv]
 
 
 def _localize(value: str, mounts: dict[str, Path]) -> str:
@@ -93,14 +116,20 @@ def run_pod(
     *,
     env: dict[str, str] | None = None,
     args: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    hosts: list[str] | None = None,
 ) -> Component:
     """Start the pod's first container locally; the caller stops the returned Component.
 
-    ``env`` overrides environment variables; ``args`` replaces the values of ``--flag=value`` arguments.
+    ``env`` overrides environment variables; ``args`` replaces the values of ``--flag=value`` arguments;
+    ``command`` replaces the container's command and arguments (a test's probe in the pod's place); ``hosts``
+    resolve to 127.0.0.1 in the pod.
     """
     body = read_pod(api, namespace, pod)
     container = body["spec"]["containers"][0]
-    mounts = local_mounts(api, namespace, body, log.parent)
+    local = local_mounts(api, namespace, body, log.parent)
+    real = {m["mountPath"]: bool(m.get("readOnly")) for m in container.get("volumeMounts", []) if m.get("subPath")}
+    mounts = {path: directory for path, directory in local.items() if path not in real}
     environment = {}
     for variable in container.get("env", []):
         if "value" in variable:
@@ -110,11 +139,17 @@ def run_pod(
     token = service_account_token(api, namespace, body["spec"]["serviceAccountName"], pod=body, seconds=3600)
     environment["KUBECONFIG"] = str(cluster.token_kubeconfig(f"pod-{namespace}-{pod}", token))
     environment.update(env or {})
-    argv = [_localize(a, mounts) for a in [*container.get("command", []), *container.get("args", [])]]
+    argv = [_localize(a, mounts) for a in command or [*container.get("command", []), *container.get("args", [])]]
     for flag, value in (args or {}).items():
         argv = [f"{flag}={value}" if a.startswith(f"{flag}=") else a for a in argv]
     if argv and argv[0] == "python":
         argv[0] = sys.executable  # the project's interpreter stands in for the image's
+    table = None
+    if hosts:
+        table = log.parent / f"{pod}-hosts"
+        table.write_text(Path("/etc/hosts").read_text() + "".join(f"127.0.0.1 {name}\n" for name in hosts))
+    if real or table is not None:
+        argv = in_pod_namespace(argv, {path: (local[path], ro) for path, ro in real.items()}, table)
     process = Component(f"pod/{namespace}/{pod}", argv, log, env=environment, own_group=True)
     process.start()
     return process
@@ -151,7 +186,9 @@ class JobPods:
     name) gets one; a process that exited sets its pod's phase; the process of a deleted pod is stopped.
     Each actor keeps its local port across restarts, so the trainer's actor URLs stay valid; trainer
     ranks created together (the same restart count) share a fresh rendezvous port; trainer rank 0 keeps
-    its ports for the collective weight transports.
+    its ports for the collective weight transports (the pods' own, 9500 and 9501, under its DNS name, which
+    resolves to 127.0.0.1 in every pod of the job: the URIs it announces are the ones a cluster sees, so two jobs
+    with a collective backend cannot run here at once).
     """
 
     def __init__(
@@ -168,8 +205,6 @@ class JobPods:
         self.exited: set[str] = set()
         self.retired: list[Component] = []
         self.rendezvous: dict[int, int] = {}
-        self.weights = {"LOCKSTEP_WEIGHTS_PORT": str(free_port()), "LOCKSTEP_WEIGHTS_GROUP_PORT": str(free_port())}
-        """trainer rank 0's ports for the collective weight transports"""
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pod-runner", daemon=True)
 
@@ -207,24 +242,20 @@ class JobPods:
 
     def _run(self, name: str, uid: str) -> None:
         overrides: dict[str, Any]
+        job = get_job(self.api, self.namespace, self.job)
+        trainer = trainer_host(JobRef(self.job, self.namespace, job["metadata"]["uid"]))
         if name in self.urls:
-            # Collective backends: the actors take weights only from trainer rank 0's local manifest server.
-            manifests = {
-                "LOCKSTEP_WEIGHTS_HOST": "127.0.0.1",
-                "LOCKSTEP_WEIGHTS_PORT": self.weights["LOCKSTEP_WEIGHTS_PORT"],
-            }
-            overrides = {"args": {"--port": self.urls[name].rsplit(":", 1)[1]}, "env": manifests}
+            overrides = {"args": {"--port": self.urls[name].rsplit(":", 1)[1]}}
         else:
-            job = get_job(self.api, self.namespace, self.job)
             port = self.rendezvous.setdefault(job.get("status", {}).get("restarts", 0), free_port())
             metrics = self.metrics.get(name, ":0").rsplit(":", 1)[1]
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCKSTEP_METRICS_PORT": metrics}
-            env |= {"LOCKSTEP_WEIGHTS_HOST": "127.0.0.1", **self.weights}
             # kwok's pod IPs in the actor Service's EndpointSlices lead nowhere here: the trainer gets the local URLs.
             actors = {"LOCKSTEP_ACTORS_SERVICE": "", "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values())}
             overrides = {"env": {**env, **actors}}
         log = self.logs / f"{name}.log"
-        self.running[name] = (uid, run_pod(self.cluster, self.api, self.namespace, name, log, **overrides))
+        pod = run_pod(self.cluster, self.api, self.namespace, name, log, hosts=[trainer], **overrides)
+        self.running[name] = (uid, pod)
 
     def log_tails(self) -> str:
         """The ending of every pod's log (a pod run again appends to the same one): what a run that stalled

@@ -316,18 +316,26 @@ def test_announcements_older_than_committed_or_from_elsewhere_are_refused_once(
     assert status.get("lag") is None or status["lag"] >= 0, "never a negative lag"
     assert len(refusals()) == 1, "reported once, not on every pass"
 
-    evil = {
-        "protocol": PROTOCOL,
-        "version": 4,
-        "uri": "file:///var/lib/lockstep/evil.safetensors",
-        "digest": "sha256:4",
-    }
-    trainer = "rewound-trainer-0"
-    client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
-        trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(evil)}}}
-    )
-    wait_for(lambda: len(refusals()) == 2, "an Event for weights outside the job's directory")
-    assert any("outside the job's own directory" in message for message in refusals())
+    # Issue 21 item 4: weights from anywhere but the job's own weights directory, however the URI is spelled.
+    uid = get_job(kube, namespace, "rewound")["metadata"]["uid"]
+    other = str(uuid.uuid4())
+    forged = [
+        f"file:///etc/{uid}/passwd",
+        f"file:///var/lib/lockstep/{other}/{uid}/v1",
+        f"file://evil.example/var/lib/lockstep/{uid}/weights/v4.safetensors",
+        f"file:/var/lib/lockstep/{uid}/weights/v4.safetensors",
+        f"FILE:///var/lib/lockstep/{uid}/weights/v4.safetensors",
+    ]
+    trainer = client.CoreV1Api(pod_client(kube, namespace, "rewound-trainer-0"))
+    for count, uri in enumerate(forged, start=2):
+        evil = {"protocol": PROTOCOL, "version": 4, "uri": uri, "digest": "sha256:4"}
+        trainer.patch_namespaced_pod(
+            "rewound-trainer-0", namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(evil)}}}
+        )
+        wait_for(lambda count=count: len(refusals()) == count, f"an Event for weights at {uri}")
+        [message] = [message for message in refusals() if uri in message]
+        assert "the job takes weights only from files in its weights directory" in message, message
+        assert get_job(kube, namespace, "rewound")["status"]["refusedAnnouncement"] == json.dumps(evil)
     assert not barrier_of(kube, namespace, "rewound") and weights_version(kube, namespace, "rewound") == 3
 
 

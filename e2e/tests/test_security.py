@@ -5,18 +5,25 @@ cluster admin's client certificate, and impersonation of the break-glass group."
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lockstep import admission, keys
+from lockstep.desired import SHARED_MOUNT
 from lockstep.protocol import PROTOCOL
+from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import fresh_namespace, running_job, wait_for
 from lockstep_e2e.install import apply, pod_client, read_pod, service_account_token, token_client
-from lockstep_e2e.jobs import announce_weights, get_job
+from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
+from lockstep_e2e.podrunner import run_pod
+from lockstep_workers.weights import newest_version, publish, weights_directory
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
@@ -347,3 +354,57 @@ def test_the_trainers_identity_finds_the_actors_in_their_endpoint_slices_and_no_
     with pytest.raises(ApiException) as forbidden:
         client.DiscoveryV1Api(trainer).list_namespaced_endpoint_slice("default")
     assert forbidden.value.status == 403
+
+
+PROBE = """
+import json, os, sys
+root, own, other = sys.argv[1:]
+seen = {"listed": sorted(os.listdir(root))}
+for name, path in (("plant", f"{root}/{other}/weights/v999999.safetensors"), ("write", f"{root}/{own}/mine")):
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "wb").close()
+        seen[name] = "written"
+    except OSError as error:
+        seen[name] = type(error).__name__
+print("PROBE " + json.dumps(seen))
+"""
+"""Run in a pod's place, with its mounts: what of the shared volume it sees, and whether it can write into another
+job's directory (``plant``) and its own (``write``)."""
+
+
+def test_a_jobs_pods_see_and_write_only_their_own_directory_of_a_shared_volume(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """Issue 21 item 3: two jobs on one hostPath. Each pod mounts its job's directory alone (subPath); the
+    trainer writes there, the actors only read; a file another job's trainer tries to plant never reaches the
+    directory this job's trainer resumes from."""
+    shared = tmp_path / "shared"
+    volume = {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}
+    for name in ("victim", "intruder"):
+        create_job(kube, namespace, rljob(name, actors=1, weightSync={"volume": volume}))
+    for name in ("victim", "intruder"):
+        wait_for(lambda name=name: phase(get_job(kube, namespace, name)) == "Running", f"RLJob {name} to run")
+    victim, intruder = (get_job(kube, namespace, name)["metadata"]["uid"] for name in ("victim", "intruder"))
+    publish({"w": torch.zeros(2)}, weights_directory(shared / victim), version=1)
+
+    def probe(pod: str) -> dict[str, str]:
+        log = tmp_path / f"{pod}.log"
+        argv = [sys.executable, "-c", PROBE, SHARED_MOUNT, intruder, victim]
+        component = run_pod(cluster, kube, namespace, pod, log, command=argv)
+        assert component.process is not None and component.process.wait(timeout=60) == 0, log.read_text()
+        [line] = [line for line in log.read_text().splitlines() if line.startswith("PROBE ")]
+        return dict(json.loads(line.removeprefix("PROBE ")))
+
+    def victims_weights() -> list[str]:
+        return sorted(path.name for path in weights_directory(shared / victim).iterdir())
+
+    trainer = probe("intruder-trainer-0")
+    # Its "plant" landed in its own container's filesystem, not on the volume.
+    assert trainer == {"listed": [intruder], "plant": "written", "write": "written"}, trainer
+    assert (shared / intruder / "mine").exists(), "the trainer writes in its job's directory"
+    assert victims_weights() == ["v000001.safetensors"], "nothing reached the directory the victim resumes from"
+    assert newest_version(weights_directory(shared / victim)) == 1
+    actor = probe("intruder-actor-0")
+    assert actor["listed"] == [intruder] and actor["write"] == "OSError", f"read-only: {actor}"
+    assert victims_weights() == ["v000001.safetensors"]

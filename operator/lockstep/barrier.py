@@ -10,12 +10,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from lockstep import keys
 from lockstep.api import BarrierOutcome, BarrierRecord, BarrierStatus, TimeoutAction
+from lockstep.origin import WeightsOrigin, origin_problem
 from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, Weights, parse_ack, read_document
 from lockstep.times import parse_rfc3339, rfc3339
 
@@ -65,17 +64,16 @@ def announced_by(trainer: dict[str, Any]) -> Weights | str | None:
     return read_document(_annotations(trainer).get(keys.WEIGHTS), Weights)
 
 
-def announcement_problem(weights: Weights, *, job_uid: str, collective: bool, committed: Weights | None) -> str | None:
+def announcement_problem(weights: Weights, *, origin: WeightsOrigin, committed: Weights | None) -> str | None:
     """Why the operator refuses the trainer's announcement, or None. The weights must come from the job's own
-    trainer: a file in the job's directory (<volume>/<job uid>/...) with the filesystem backend, or trainer rank
-    0's manifest of that version (http://.../weights/<version>) with a collective one; and a version is never
-    older than the committed one (a restarted trainer resumes from the newest version it published)."""
-    uri = urlparse(weights.uri)
-    parts = PurePosixPath(unquote(uri.path)).parts
-    if collective and (uri.scheme != "http" or uri.path != f"/weights/{weights.version}"):
-        return f"announces weights at {weights.uri}, not trainer rank 0's manifest http://<trainer>/weights/<version>"
-    if not collective and (uri.scheme != "file" or ".." in parts or job_uid not in parts[:-1]):
-        return f"announces weights at {weights.uri}, outside the job's own directory (<volume>/{job_uid}/)"
+    trainer (``origin``, lockstep.origin: a file in the job's weights directory with the filesystem backend, or
+    trainer rank 0's manifest of that version with a collective one); and a version is never older than the
+    committed one (a restarted trainer resumes from the newest version it published)."""
+    if (problem := origin_problem(weights.uri, weights.version, origin)) is not None:
+        return (
+            f"announces weights version {weights.version} at {weights.uri}, which {problem}: the job takes weights "
+            f"only from {origin.allowed(weights.version)}"
+        )
     if committed is not None and weights.version < committed.version:
         return (
             f"announces weights version {weights.version}, older than the committed version {committed.version} "

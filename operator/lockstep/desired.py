@@ -10,11 +10,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from lockstep import environment, keys
 from lockstep.api import API_VERSION, PodOverrides, RLJobSpec
 from lockstep.environment import CONFIG_FILE, CONFIG_MOUNT, SHARED_MOUNT
+from lockstep.origin import WEIGHTS_DIRECTORY, TrainerManifest, WeightsFiles, WeightsOrigin
 from lockstep.parity import EffectiveConfig, vllm_cli_args
 
 ACTOR_PORT = 8000
@@ -275,6 +277,19 @@ def trainer_host(job: JobRef) -> str:
     return f"{rank0_name(job.name)}.{trainer_service_name(job.name)}.{job.namespace}.svc"
 
 
+def shared_dir(job: JobRef) -> str:
+    """The job's own directory on spec.weightSync.volume (its subPath <job uid>), where its pods see it."""
+    return f"{SHARED_MOUNT}/{job.uid}"
+
+
+def weights_origin(job: JobRef, collective: bool) -> WeightsOrigin:
+    """Where the job's pods take weights from: its weights directory (filesystem backend), or trainer rank 0's
+    manifest server (nccl, gloo)."""
+    if collective:
+        return TrainerManifest(trainer_host(job), WEIGHTS_PORT)
+    return WeightsFiles(PurePosixPath(shared_dir(job)) / WEIGHTS_DIRECTORY)
+
+
 def trainer_pod(
     job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int, placements: Placements | None = None
 ) -> dict[str, Any]:
@@ -348,10 +363,12 @@ def _pod(
         volumes.append({"name": volume, "emptyDir": empty_dir})
     shared = _shared_volume(spec, role)
     if shared is not None:
-        # The trainer writes weights here; the other pods only read them.
-        mounts.append({"name": "lockstep-shared", "mountPath": SHARED_MOUNT, "readOnly": role != keys.TRAINER})
+        # The job's own directory on the volume, nothing else of it; the trainer writes weights there, the other
+        # pods only read them.
+        directory = {"mountPath": shared_dir(job), "subPath": job.uid, "readOnly": role != keys.TRAINER}
+        mounts.append({"name": "lockstep-shared", **directory})
         volumes.append({"name": "lockstep-shared", **shared})
-        env.append({"name": environment.SHARED_DIR, "value": f"{SHARED_MOUNT}/{job.uid}"})
+        env.append({"name": environment.SHARED_DIR, "value": shared_dir(job)})
     own_env = [variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or []]
     own_names = {variable["name"] for variable in own_env}
     env += [{"name": name, "value": value} for name, value in WORKER_ENV.items() if name not in own_names]

@@ -613,8 +613,16 @@ def test_weights_from_outside_the_jobs_own_directory_or_trainer_are_refused() ->
         assert plan.status.barrier is None, uri
         assert any(e.reason == "InvalidWeightsAnnouncement" and uri in e.message for e in plan.events)
     gloo, gloo_pods = settle(job(weightSync={"backend": "gloo"}))
-    announce(gloo_pods[2], 5, uri="file:///var/lib/lockstep/uid-1/weights/v5.safetensors")
-    assert plan_for(gloo, gloo_pods).status.barrier is None, "a collective job takes weights from its trainer only"
+    for uri in (
+        "file:///var/lib/lockstep/uid-1/weights/v5.safetensors",
+        "http://other-trainer-0.other-trainer.f.svc:9500/weights/5",
+        "http://169.254.169.254:80/weights/5",
+        "http://user:pw@evil.example/weights/5",
+    ):
+        announce(gloo_pods[2], 5, uri=uri)
+        assert plan_for(gloo, gloo_pods).status.barrier is None, (
+            f"a collective job takes weights from its trainer only: {uri}"
+        )
     announce(gloo_pods[2], 5)
     assert plan_for(gloo, gloo_pods).status.barrier is not None
 
@@ -709,6 +717,26 @@ def test_every_pod_runs_as_the_worker_user_on_a_read_only_root_with_writable_scr
         else:
             assert env["HOME"] == "/home/lockstep" and mounted["/tmp"] == {"name": "lockstep-tmp", "emptyDir": {}}
         assert mounted["/home/lockstep"] == {"name": "lockstep-home", "emptyDir": {}}
+
+
+def test_each_pod_mounts_only_its_jobs_directory_of_the_shared_volume_and_only_the_trainer_writes() -> None:
+    for spec in ({}, {"weightSync": {"backend": "gloo"}}, {"preflight": {"enabled": True}}):
+        for pod in plan_for(job(**spec)).create_pods:
+            [container] = pod["spec"]["containers"]
+            mounts = [m for m in container["volumeMounts"] if m["name"] == "lockstep-shared"]
+            role = pod["metadata"]["labels"][keys.ROLE]
+            if not mounts:  # a collective job's actors take weights from the trainer, never from a volume
+                assert spec and role == keys.ACTOR
+                continue
+            [shared] = mounts
+            assert shared == {
+                "name": "lockstep-shared",
+                "mountPath": "/var/lib/lockstep/uid-1",
+                "subPath": "uid-1",
+                "readOnly": role != keys.TRAINER,
+            }, pod["metadata"]["name"]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["LOCKSTEP_SHARED_DIR"] == shared["mountPath"]
 
 
 ack_moves = st.sampled_from(["answer"] * 4 + ["none", "error", "stale", "unreadable"])  # mostly barriers that end

@@ -45,7 +45,7 @@ from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdat
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_workers.transfer import VLLM_ENGINE, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
-from lockstep_workers.weights import WeightsDirectory, WeightsOrigin, verified_path, weights_directory
+from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
 
 logger = logging.getLogger("lockstep.actor")
 
@@ -162,15 +162,14 @@ class Actor:
         self.pause_seconds = self.paused_at - started
         PAUSED.set(1)
 
-    async def load(self, weights: Weights, group: TransferGroup | None = None) -> None:
-        """Reload the weights in place in every vLLM worker: from their file, after checking the digest, or
-        received from the trainer in ``group``."""
+    async def load(self, weights: Weights, source: TransferGroup | VerifiedWeights) -> None:
+        """Reload the weights in place in every vLLM worker: received from the trainer in a transfer group, or
+        from the verified copy of their file (WeightsDirectory.read), which the workers read from this process."""
         started = time.time()
-        if group is not None:
-            await receive(self.llm, weights, group, self.backend)
+        if isinstance(source, TransferGroup):
+            await receive(self.llm, weights, source, self.backend)
         else:
-            path = verified_path(weights)
-            await self.llm.collective_rpc("lockstep_reload", args=(str(path),))
+            await self.llm.collective_rpc("lockstep_reload", args=(source.path,))
         self.loaded = weights.version
         loaded_at = time.time()
         self.updates.append(
@@ -232,7 +231,11 @@ class LoopEngine:
 
     def load(self, weights: Weights, group: TransferGroup | None) -> None:
         self.origin.check(weights)
-        self._run(self.actor.load(weights, group))
+        if group is not None:
+            self._run(self.actor.load(weights, group))
+            return
+        with self.origin.read(weights) as verified:
+            self._run(self.actor.load(weights, verified))
 
     def resume(self) -> None:
         self._run(self.actor.resume())

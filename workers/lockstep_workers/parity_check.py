@@ -204,6 +204,7 @@ async def _run_engine(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_workers.actor import Actor, applied_settings, engine_args
+    from lockstep_workers.weights import WeightsDirectory, local_path
 
     llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(configuration.vllm)))
     actor = Actor(llm, pause_mode=configuration.update.pause_mode, clear_cache=configuration.update.clear_cache)
@@ -220,7 +221,8 @@ async def _run_engine(
         in_flight = asyncio.create_task(actor.generate(shared, {**sampling, "max_tokens": 4 * workload.tokens}))
         await asyncio.sleep(0.3)
         await actor.pause()
-        await actor.load(update)
+        with WeightsDirectory(local_path(update).parent).read(update) as verified:
+            await actor.load(update, verified)
         await actor.resume()
         after = await _sample(actor, [shared], workload.samples, sampling)
         await in_flight  # aborted (defaults) or finished under the new weights (keep)

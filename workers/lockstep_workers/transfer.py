@@ -35,9 +35,10 @@ from pydantic import Field
 from safetensors import safe_open
 
 from lockstep.api import WeightSyncBackend
+from lockstep.origin import TrainerManifest
 from lockstep.protocol import TransferGroup, Weights
 from lockstep.schema import Model
-from lockstep_workers.weights import RefusedWeights, digest_of, version_path
+from lockstep_workers.weights import RefusedWeights, VerifiedWeights, digest_of, refused, version_path
 
 logger = logging.getLogger("lockstep.transfer")
 
@@ -145,7 +146,7 @@ class ManifestServer:
 
 
 def manifest_uri(host: str, port: int, version: int) -> str:
-    return f"http://{host}:{port}/weights/{version}"
+    return TrainerManifest(host, port).uri(version)
 
 
 @dataclass(frozen=True)
@@ -157,12 +158,14 @@ class TrainerManifests:
     port: int
 
     def check(self, weights: Weights) -> None:
-        expected = manifest_uri(self.host, self.port, weights.version)
-        if weights.uri != expected:
-            raise RefusedWeights(
-                f"refusing weights version {weights.version} at {weights.uri}: this pod takes weights only from "
-                f"its job's trainer, whose manifest of that version is at {expected}"
-            )
+        if (refusal := refused(weights, TrainerManifest(self.host, self.port))) is not None:
+            raise refusal
+
+    def read(self, weights: Weights) -> VerifiedWeights:
+        raise RefusedWeights(
+            f"refusing to read weights version {weights.version} at {weights.uri}: with a collective backend weights "
+            "arrive only in a barrier's transfer group"
+        )
 
 
 def fetch_manifest(weights: Weights) -> Manifest:

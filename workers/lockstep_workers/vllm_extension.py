@@ -27,4 +27,6 @@ class WeightReloader:
     model_runner: Any
 
     def lockstep_reload(self, path: str) -> None:
+        """Load the weights at ``path``: the actor's verified copy (``/proc/<actor pid>/fd/<n>``), never the file
+        the URI names."""
         self.model_runner.reload_weights(weights_iterator=tensors(Path(path)), is_checkpoint_format=True)

@@ -2,24 +2,27 @@
 
 The trainer publishes version N as ``v000N.safetensors``: written to a temporary name, renamed
 into place (atomic), announced with its sha256 (``published``); older versions beyond ``keep`` are removed.
-An actor opens a version only from its job's own weights directory (``WeightsDirectory``), and only after
-checking the digest it was told.
+An actor opens a version only from its job's own weights directory (``WeightsDirectory``), reads it once into a
+sealed copy in memory while hashing it, and loads that copy only if its digest is the one it was told.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from lockstep.origin import WEIGHTS_DIRECTORY, TrainerManifest, WeightsFiles, origin_problem
 from lockstep.protocol import Weights
 
 
@@ -35,32 +38,106 @@ class WeightsOrigin(Protocol):
     """Where a pod accepts weights from."""
 
     def check(self, weights: Weights) -> None:
-        """Return if ``weights.uri`` is this origin's URI for ``weights.version``; raise RefusedWeights, naming
-        the URI and the allowed location, otherwise."""
+        """Return if ``weights.uri`` is this origin's URI for ``weights.version`` (lockstep.origin); raise
+        RefusedWeights, naming the URI and the allowed location, otherwise."""
+
+    def read(self, weights: Weights) -> VerifiedWeights:
+        """The checked bytes of ``weights``, to load outside a transfer group (WeightsDirectory.read)."""
 
 
 def weights_directory(shared_dir: Path) -> Path:
     """Where the trainer publishes weights in the job's directory ($LOCKSTEP_SHARED_DIR)."""
-    return shared_dir / "weights"
+    return shared_dir / WEIGHTS_DIRECTORY
+
+
+def refused(weights: Weights, origin: WeightsFiles | TrainerManifest) -> RefusedWeights | None:
+    """Why this pod refuses ``weights`` from anywhere but ``origin``, or None (lockstep.origin decides)."""
+    problem = origin_problem(weights.uri, weights.version, origin)
+    if problem is None:
+        return None
+    return RefusedWeights(
+        f"refusing weights version {weights.version} at {weights.uri}: it {problem}; this pod takes weights only "
+        f"from {origin.allowed(weights.version)}"
+    )
 
 
 @dataclass(frozen=True)
 class WeightsDirectory:
-    """The filesystem backend's origin: files that resolve (after symlinks and '..') inside ``directory``."""
+    """The filesystem backend's origin: files in ``directory`` (the job's weights directory), named so by their
+    URI and, once opened, in fact (no symlink or '..' leads out)."""
 
     directory: Path
 
     def check(self, weights: Weights) -> None:
+        if (refusal := refused(weights, WeightsFiles(PurePosixPath(self.directory)))) is not None:
+            raise refusal
+
+    def read(self, weights: Weights) -> VerifiedWeights:
+        """The file of ``weights``, opened once and copied into memory while hashed: the caller loads exactly the
+        bytes whose digest was checked, whatever happens to the path meanwhile. Raises RefusedWeights (the URI,
+        or the opened file, is not in the directory) or DigestMismatch."""
+        self.check(weights)
         root = self.directory.resolve()
+        source = os.open(local_path(weights), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            path = local_path(weights).resolve()
-        except ValueError as error:
-            raise RefusedWeights(f"{error}; weights are accepted only from files in {root}") from error
-        if root not in path.parents:
-            raise RefusedWeights(
-                f"refusing weights version {weights.version} at {weights.uri}: it resolves to {path}, outside the "
-                f"job's weights directory {root}, the only place this pod loads weights from"
-            )
+            opened = Path(os.readlink(f"/proc/self/fd/{source}"))
+            if root not in opened.parents or not stat.S_ISREG(os.fstat(source).st_mode):
+                raise RefusedWeights(
+                    f"refusing weights version {weights.version} at {weights.uri}: it resolves to {opened}, not a "
+                    f"file in the job's weights directory {root}, the only place this pod loads weights from"
+                )
+            return VerifiedWeights.copy(source, weights)
+        finally:
+            os.close(source)
+
+
+class VerifiedWeights:
+    """A sealed in-memory copy of a weights file whose digest was checked: nothing can change it any more. Another
+    process of this pod (vLLM's workers) reads it at ``path`` while it is open."""
+
+    def __init__(self, fd: int, weights: Weights) -> None:
+        self.fd = fd
+        self.weights = weights
+
+    @classmethod
+    def copy(cls, source: int, weights: Weights) -> VerifiedWeights:
+        """Copy the open file ``source`` in one pass, hashing as it goes; raise DigestMismatch unless it is
+        ``weights.digest``."""
+        fd = os.memfd_create(f"weights-v{weights.version}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            sha = hashlib.sha256()
+            while block := os.read(source, 1 << 20):
+                sha.update(block)
+                view = memoryview(block)
+                while view:
+                    view = view[os.write(fd, view) :]
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            found = f"sha256:{sha.hexdigest()}"
+            if found != weights.digest:
+                raise DigestMismatch(
+                    f"{weights.uri} has digest {found}, but version {weights.version} was announced as {weights.digest}"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, weights)
+
+    @property
+    def path(self) -> str:
+        """Where this pod's other processes open the copy (this process's descriptor, not the file's path)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> VerifiedWeights:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 def digest_of(path: Path) -> str:

@@ -97,7 +97,7 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
 
     from lockstep_workers.actor import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import create_tiny_llama
-    from lockstep_workers.weights import DigestMismatch
+    from lockstep_workers.weights import DigestMismatch, WeightsDirectory
 
     model_dir = create_tiny_llama(tmp_path / "model")
     updated, weights = updated_model(model_dir, tmp_path / "weights")
@@ -109,11 +109,13 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
             await asyncio.sleep(0.5)
             await actor.pause()
+            origin = WeightsDirectory(tmp_path / "weights")
             wrong = weights.model_copy(update={"digest": "sha256:" + "0" * 64})
             with pytest.raises(DigestMismatch):
-                await actor.load(wrong)
+                origin.read(wrong)
             assert actor.loaded == actor.serving == 0, "a refused load changes nothing"
-            await actor.load(weights)
+            with origin.read(weights) as verified:  # vLLM's workers read the checked copy, in another process
+                await actor.load(weights, verified)
             assert actor.serving == 0, "until resumed, tokens are the old weights' (sampled before the pause)"
             await actor.resume()
             [update] = actor.updates

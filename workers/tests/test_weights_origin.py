@@ -22,7 +22,15 @@ from lockstep.protocol import BarrierPhase, Command, Weights
 from lockstep_workers.actor import Actor, LoopEngine, weights_origin
 from lockstep_workers.agent import AgentCore
 from lockstep_workers.transfer import TrainerManifests, manifest_uri
-from lockstep_workers.weights import RETAIN_SECONDS, RefusedWeights, WeightsDirectory, local_path, publish
+from lockstep_workers.weights import (
+    RETAIN_SECONDS,
+    DigestMismatch,
+    RefusedWeights,
+    WeightsDirectory,
+    digest_of,
+    local_path,
+    publish,
+)
 
 TENSORS = {"w": torch.arange(4, dtype=torch.float32)}
 
@@ -45,8 +53,6 @@ def test_the_filesystem_origin_accepts_only_files_inside_the_jobs_weights_direct
     origin = WeightsDirectory(directory)
     inside = directory / "v000001.safetensors"
     origin.check(at(inside.as_uri()))
-    origin.check(at(f"file://localhost{inside}"))
-    origin.check(at((directory / "sub" / ".." / inside.name).as_uri()))  # '..' that stays inside
 
     elsewhere = publish(TENSORS, tmp_path / "attacker", version=1)  # a real file, digest and all
     (shared / "metrics.jsonl").write_text("{}\n")
@@ -57,12 +63,14 @@ def test_the_filesystem_origin_accepts_only_files_inside_the_jobs_weights_direct
         "a percent-escaped '..'": f"file://{directory}/%2e%2e/%2e%2e/attacker/weights/v000001.safetensors",
         "the directory itself": directory.as_uri(),
         "another host": f"file://attacker{inside}",
+        "localhost": f"file://localhost{inside}",
+        "'..' that stays inside": (directory / "sub" / ".." / inside.name).as_uri(),
         "not a file": manifest_uri("127.0.0.1", 9500, 1),
     }
     for case, uri in outside.items():
         with pytest.raises(RefusedWeights) as refused:
             origin.check(at(uri))
-        assert uri in str(refused.value) and str(directory.resolve()) in str(refused.value), case
+        assert uri in str(refused.value) and str(directory) in str(refused.value), case
 
 
 def test_a_symlink_inside_the_directory_that_points_outside_is_refused(shared: Path, tmp_path: Path) -> None:
@@ -72,9 +80,9 @@ def test_a_symlink_inside_the_directory_that_points_outside_is_refused(shared: P
     (shared / "weights" / "escape").symlink_to(tmp_path / "attacker")
 
     origin = WeightsDirectory(shared / "weights")
-    for uri in (link.as_uri(), (shared / "weights" / "escape" / "weights" / "v000002.safetensors").as_uri()):
-        with pytest.raises(RefusedWeights, match=r"resolves to .*attacker.*, outside the job's weights directory"):
-            origin.check(at(uri, version=2))
+    for uri in (link.as_uri(), (shared / "weights" / "escape" / "v000002.safetensors").as_uri()):
+        with pytest.raises(RefusedWeights, match=r"resolves to .*attacker.*, not a file in the job's weights"):
+            origin.read(elsewhere.model_copy(update={"uri": uri}))
 
 
 def test_a_collective_origin_accepts_only_its_trainers_manifest_of_the_commanded_version() -> None:
@@ -121,7 +129,8 @@ class RecordingLLM:
         self.calls.append("pause")
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
-        self.calls.append(f"{method} {args[0]}")
+        """Records the call, and the digest of what the worker would read at the path it is given."""
+        self.calls.append(f"{method} {digest_of(Path(args[0]))}")
 
     async def resume_generation(self) -> None:
         self.calls.append("resume")
@@ -160,7 +169,7 @@ def test_the_agent_acks_a_refused_uri_as_an_error_and_loads_nothing(
         Command(id="job/2/1", version=2, uri=genuine.uri, digest=genuine.digest, phase=BarrierPhase.UPDATE)
     )
     assert ack.error is None and ack.loaded_version == 2
-    assert llm.calls == ["pause", f"lockstep_reload {shared.resolve() / 'weights' / 'v000002.safetensors'}"]
+    assert llm.calls == ["pause", f"lockstep_reload {genuine.digest}"]
 
 
 def test_a_published_version_stays_while_a_new_actor_may_still_start_from_it(tmp_path: Path) -> None:
@@ -175,3 +184,36 @@ def test_a_published_version_stays_while_a_new_actor_may_still_start_from_it(tmp
     publish(TENSORS, directory, version=3, keep=1)
     assert not local_path(first).exists()
     assert sorted(p.name for p in directory.glob("v*.safetensors")) == ["v000002.safetensors", "v000003.safetensors"]
+
+
+def test_the_actor_loads_the_bytes_it_checked_though_the_file_is_swapped_after_the_check(
+    shared: Path, tmp_path: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    """The check, the digest and the load concern one opened file: replacing the path (a symlink swapped, a file
+    renamed over it) once it was read changes nothing that is loaded; a digest that does not match is refused."""
+    directory = shared / "weights"
+    genuine = publish(TENSORS, directory, version=2)
+    planted = publish({"w": torch.full((4,), 999.0)}, tmp_path / "attacker", version=2)
+    origin = WeightsDirectory(directory)
+    with origin.read(genuine) as verified:
+        path = local_path(genuine)
+        path.unlink()
+        path.symlink_to(local_path(planted))  # what a reopen of the path would now read
+        assert digest_of(path) == planted.digest
+        llm = RecordingLLM()
+        asyncio.run_coroutine_threadsafe(Actor(llm).load(genuine, verified), loop).result()
+    assert llm.calls == [f"lockstep_reload {genuine.digest}"], "the checked bytes, not the planted file"
+
+    with pytest.raises(RefusedWeights, match=r"resolves to .*attacker"):
+        origin.read(genuine)  # the path now leads out of the directory
+    (directory / "v000003.safetensors").write_bytes(local_path(planted).read_bytes())
+    with pytest.raises(DigestMismatch, match=r"v000003\.safetensors has digest"):
+        origin.read(genuine.model_copy(update={"version": 3, "uri": (directory / "v000003.safetensors").as_uri()}))
+
+
+def test_the_verified_copy_is_sealed(shared: Path) -> None:
+    weights = publish(TENSORS, shared / "weights", version=2)
+    with WeightsDirectory(shared / "weights").read(weights) as verified:
+        with pytest.raises(PermissionError):
+            Path(verified.path).write_bytes(b"other weights")
+        assert digest_of(Path(verified.path)) == weights.digest

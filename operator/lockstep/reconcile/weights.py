@@ -148,7 +148,7 @@ def _announcement(run: Pass, rank0: dict[str, Any], collective: bool) -> Weights
     announced = barrier.announced_by(rank0)
     problem = (
         barrier.announcement_problem(
-            announced, job_uid=run.job.uid, collective=collective, committed=run.status.weights
+            announced, origin=desired.weights_origin(run.job, collective), committed=run.status.weights
         )
         if isinstance(announced, Weights)
         else announced
