@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export VLLM_TARGET_DEVICE := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test venv binaries lint typecheck pytest bench-apply bench-barrier lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo test venv binaries lint typecheck pytest bench-apply bench-barrier bench-weights lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -46,6 +46,9 @@ bench-apply: venv binaries
 
 bench-barrier: venv binaries
 	$(PY) -m lockstep_e2e.bench_barrier
+
+bench-weights: venv
+	$(PY) -m lockstep_e2e.bench_weights
 
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv
