@@ -382,6 +382,18 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
 
 
+def test_a_failed_background_publish_stops_the_trainer_with_its_error(tmp_path: Path) -> None:
+    """The weights directory cannot be made (a file has its name): version 1's publish fails in the background, and
+    the trainer stops with that error before it goes on (here at step 1's checkpoint, which waits for it)."""
+    model = create_tiny_llama(tmp_path / "model")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "weights").write_text("not a directory")
+    with pytest.raises(mp.ProcessRaisedException, match=r"PublishFailed: publishing weights version 1 failed: "):
+        run_trainer(1, model, shared, steps=3)
+    assert not (shared / "metrics.jsonl").exists(), "no step was recorded as published"
+
+
 def _gather_then_step(rank: int, model: str, out: str) -> None:
     """One rank: the full state dict, then an optimizer step; saves the state dict as gathered and after the step."""
     from transformers import AutoModelForCausalLM
