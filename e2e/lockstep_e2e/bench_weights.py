@@ -101,6 +101,7 @@ class PublishResult:
     repeats: int
     step_seconds: float
     gather_s: float
+    """The after loop's: its blocked time is this and the wait."""
     before_blocked_s: float
     """Also when the version could be announced, after the step's end."""
     after_blocked_s: float
@@ -117,13 +118,11 @@ def publish_part(sizes: list[float], repeats: int, step_seconds: float, scratch:
         model = llama_state_dict(target)
         gigabytes = round(size_of(model) / 1e9, 2)
         directory = scratch / f"publish-{target}"
-        gathers, before_blocked = [], []
-        idle_rates = []
+        before_blocked, idle_rates = [], []
         for version in range(1, repeats + 1):
             idle_rates.append(compute(step_seconds))
             started = time.monotonic()
             whole = gather(model)
-            gathers.append(time.monotonic() - started)
             directory.mkdir(parents=True, exist_ok=True)
             inline_publish(whole, directory, version)
             before_blocked.append(time.monotonic() - started)
@@ -131,13 +130,14 @@ def publish_part(sizes: list[float], repeats: int, step_seconds: float, scratch:
         shutil.rmtree(directory)
 
         publisher = Publisher()
-        blocked, waits, busy_rates = [], [], []
+        gathers, blocked, waits, busy_rates = [], [], [], []
         announced: dict[int, float] = {}
         background: dict[int, float] = {}
         for version in range(1, repeats + 1):
             busy_rates.append(compute(step_seconds))
             started = time.monotonic()
             whole = gather(model)
+            gathers.append(time.monotonic() - started)
             waits.append(publisher.wait())
             blocked.append(time.monotonic() - started)
             publisher.start(version, _timed(whole, directory, version, started, announced, background))
