@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test venv binaries lint scan typecheck pytest bench-apply bench-barrier lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo test venv binaries lint scan typecheck pytest bench-apply bench-barrier bench-weights lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -62,6 +62,9 @@ bench-apply: venv binaries
 
 bench-barrier: venv binaries
 	$(PY) -m lockstep_e2e.bench_barrier
+
+bench-weights: venv
+	$(PY) -m lockstep_e2e.bench_weights
 
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv

@@ -41,8 +41,15 @@ STEP_METRICS = (
     "outside_top_p_fraction",
     "tis_weight_mean",
     "loss",
+    "publish_gather_seconds",
+    "publish_wait_seconds",
+    "publish_seconds",
 )
-"""Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>``."""
+"""Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>``. What a publish
+costs the trainer: ``publish_gather_seconds``, the gather of the full weights from the shards (a collective);
+``publish_wait_seconds``, how long rank 0 waited for the previous version's publish since it handed that one over
+(before a checkpoint, before this one, or until the actors could serve it, spec.trainer.maxLag); and, off the
+trainer's path, ``publish_seconds``, the background write, hash, flush and rename of this version."""
 GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
 EVAL_REWARD = "eval_reward"
 """The metric of the steps that evaluate first (spec.trainer.eval): the mean reward of greedy completions of the

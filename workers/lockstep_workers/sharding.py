@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lockstep_workers.learner import Policy
 
@@ -70,11 +71,23 @@ def shard(
 
 def full_state_dict(causal_lm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model in its checkpoint's (Hugging Face) names, on rank 0 in CPU memory (empty on the other ranks;
-    a collective): tied weights once, under the first name that uses them, as Hugging Face writes checkpoints."""
+    a collective): tied weights once, under the first name that uses them, as Hugging Face writes checkpoints.
+    The tensors are a snapshot: no later optimizer step changes them (on one CPU rank the gathered tensors are the
+    live parameters themselves, so those are copied)."""
     aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)}
     aliases -= {name for name, _ in causal_lm.named_parameters()}
+    live = {_local(t).untyped_storage().data_ptr() for t in (*causal_lm.parameters(), *causal_lm.buffers())}
     gathered = get_model_state_dict(causal_lm, options=FULL)
-    return {name: t for name, t in gathered.items() if name not in aliases and isinstance(t, torch.Tensor)}
+    return {
+        name: t.clone() if t.untyped_storage().data_ptr() in live else t
+        for name, t in gathered.items()
+        if name not in aliases and isinstance(t, torch.Tensor)
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of a (possibly sharded) parameter or buffer."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def load_full_state_dict(causal_lm: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:

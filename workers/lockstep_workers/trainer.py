@@ -1,26 +1,26 @@
 """The trainer pod's loop: ``python -m lockstep_workers.trainer --model=PATH --settings=JSON`` (the RLJob's
 spec.trainer training fields, rendered by the operator).
 
-Every rank computes on its accelerator (``cuda:$LOCAL_RANK``, else the CPU) and holds a shard of the model
-(FSDP2, lockstep_workers.sharding) in a torch.distributed group ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT:
-NCCL on GPUs, gloo on CPUs). Each step rank 0 takes its prompts from the job's dataset (lockstep_workers.dataset) or
-prompt source, samples rollouts from the actors (lockstep_workers.rollouts), scores them with the job's reward function
-in a process pool (lockstep_workers.scoring) and hands each rank whole prompt groups to learn from
-(lockstep_workers.learner); every spec.trainer.eval.everySteps steps it first evaluates the weights the step starts
-from on the eval split;
-the full weights, gathered from the shards, are published under $LOCKSTEP_SHARED_DIR/weights and announced on rank
-0's pod (the operator runs the barrier); the step's metrics go to $LOCKSTEP_SHARED_DIR/metrics.jsonl and to
-Prometheus (lockstep_workers.pod). Every spec.trainer.checkpointEverySteps the ranks save their shards
-(lockstep_workers.checkpoint). With a collective backend ($LOCKSTEP_WEIGHT_SYNC nccl or gloo) rank 0 also serves
-each version's manifest and sends the weights itself, as a member of each barrier (lockstep_workers.transfer).
-Rollouts of the next step are sampled while the actors take the update in flight; each token carries the version
-it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
+Every rank computes on its accelerator (``cuda:$LOCAL_RANK``, else the CPU) and holds a shard of the model (FSDP2,
+lockstep_workers.sharding) in a torch.distributed group ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT: NCCL on GPUs,
+gloo on CPUs). Each step rank 0 takes its prompts from the job's dataset (lockstep_workers.dataset) or prompt source,
+samples rollouts from the actors (lockstep_workers.rollouts), scores them with the job's reward function in a process
+pool (lockstep_workers.scoring) and hands each rank whole prompt groups to learn from (lockstep_workers.learner); every
+spec.trainer.eval.everySteps steps it first evaluates the weights the step starts from on the eval split; the full
+weights, gathered from the shards, are published under $LOCKSTEP_SHARED_DIR/weights and announced on rank 0's pod (the
+operator runs the barrier) in the background, while the next step runs; the step's metrics go to
+$LOCKSTEP_SHARED_DIR/metrics.jsonl and to Prometheus (lockstep_workers.pod). Every spec.trainer.checkpointEverySteps the
+ranks save their shards (lockstep_workers.checkpoint). With a collective backend ($LOCKSTEP_WEIGHT_SYNC nccl or gloo)
+rank 0 also serves each version's manifest and sends the weights itself, as a member of each barrier
+(lockstep_workers.transfer). Rollouts of the next step are sampled while the actors take the update in flight; each
+token carries the version it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import inspect
 import logging
 import os
@@ -54,7 +54,15 @@ from lockstep_workers.pod import (
 from lockstep_workers.rollouts import Actors, ActorService, discovery, fresh_rollouts
 from lockstep_workers.scoring import RewardInput, Scorer, load_callable
 from lockstep_workers.transfer import manifest_uri
-from lockstep_workers.weights import newest_version, publish, published, tensors, verified_path, version_path
+from lockstep_workers.weights import (
+    Publisher,
+    newest_version,
+    publish,
+    published,
+    tensors,
+    verified_path,
+    version_path,
+)
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -248,7 +256,10 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
 
     # Rank 0: serve the metrics, and with a collective backend the weights; wait until every actor serves.
+    # ``waited``: how long rank 0 has waited for a publish since it handed over the last one.
     sending: Sending | None = None
+    publisher = Publisher() if leader else None
+    waited = 0.0
     if leader:
         if env.metrics_port:
             start_http_server(env.metrics_port)
@@ -267,11 +278,13 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         # A sample with a token more than maxLag versions behind this step's weights is dropped and sampled again.
         batch: list[Any] = [None]
         if leader:
-            assert prompts is not None and scorer is not None
+            assert prompts is not None and scorer is not None and publisher is not None
             evaluation: dict[str, float] = {}
             if every and (step - 1) % every == 0:
+                waited += publisher.wait_for(step - 1)
                 actors.wait_for_version(step - 1)
                 evaluation = evaluate(actors, prompts, scorer, rollout.max_tokens)
+            waited += publisher.wait_for(step - 1 - settings.max_lag)
             actors.wait_for_version(step - 1 - settings.max_lag)
             asked = prompts.step(step)
             sampled, dropped = fresh_rollouts(
@@ -310,19 +323,28 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
         metrics.update(scoring)
 
-        # Publish the weights gathered from the shards (a collective) as version ``step``; then checkpoint the
-        # shards when due, so that no checkpoint is newer than the newest published version; announce the version
-        # (rank 0) and record the step.
+        # Publish the weights gathered from the shards (a collective, a snapshot) as version ``step``: rank 0
+        # waits for its previous publish if that is still in flight, then writes, announces the version and records
+        # the step in the background while the next step runs. Checkpoint the shards when due, once this version is
+        # on disk, so that no checkpoint is newer than the newest published version.
+        gathering = time.monotonic()
         whole = sharding.full_state_dict(causal_lm)
-        # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
-        keep = max(3, settings.max_lag + 2)
-        weights = publish(whole, env.weights_dir, version=step, keep=keep) if leader else None
+        gathered = time.monotonic() - gathering
+        if publisher is not None:
+            waited += publisher.wait()
+            metrics.update(publish_gather_seconds=gathered, publish_wait_seconds=waited)
+            seconds = time.monotonic() - started
+            work = functools.partial(_publish_and_announce, env, settings, step, whole, metrics, seconds, budget)
+            publisher.start(step, work)
+            waited = 0.0
         del whole
         if settings.checkpoint_every_steps and step % settings.checkpoint_every_steps == 0:
+            if publisher is not None:
+                waited += publisher.wait()
             checkpoint.save(env.checkpoints_dir, step, causal_lm, optimizer, device, settings.checkpoints_kept)
-        if weights is not None:
-            _announce_and_record(env, settings, step, weights, metrics, time.monotonic() - started, budget)
 
+    if publisher is not None:
+        publisher.wait()
     if sending is not None:
         logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
         actors.wait_for_version(settings.steps)
@@ -330,16 +352,21 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     dist.destroy_process_group()
 
 
-def _announce_and_record(
+def _publish_and_announce(
     env: PodEnvironment,
     settings: Training,
     step: int,
-    weights: Weights,
+    whole: dict[str, torch.Tensor],
     metrics: dict[str, float],
     seconds: float,
     budget: float,
 ) -> None:
-    """Rank 0: announce version ``step`` and the step's mismatch on the pod, record the step, log it."""
+    """Rank 0, in the background: publish ``whole`` as version ``step``, announce it and the step's mismatch on the
+    pod, record the step (``seconds``: its time on the trainer's path), log it."""
+    publishing = time.monotonic()
+    # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
+    weights = publish(whole, env.weights_dir, version=step, keep=max(3, settings.max_lag + 2))
+    metrics = {**metrics, "publish_seconds": time.monotonic() - publishing}
     if env.pod and env.namespace:
         mismatch = Mismatch(
             step=step,
@@ -362,7 +389,8 @@ def _announce_and_record(
             budget,
         )
     logger.info(
-        "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, staleness %d, %.1fs; announced weights version %d",
+        "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, staleness %d, %.1fs; announced weights version "
+        "%d (blocked %.2fs gathering and %.2fs waiting for the previous publish; written in %.2fs in the background)",
         step,
         settings.steps,
         metrics["reward"],
@@ -372,6 +400,9 @@ def _announce_and_record(
         metrics["staleness"],
         seconds,
         step,
+        metrics["publish_gather_seconds"],
+        metrics["publish_wait_seconds"],
+        metrics["publish_seconds"],
     )
 
 

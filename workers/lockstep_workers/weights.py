@@ -1,29 +1,36 @@
 """The filesystem weight transport: safetensors files on a volume shared by the trainer and the actors.
 
-The trainer publishes version N as ``v000N.safetensors``: written to a temporary name, renamed
-into place (atomic), announced with its sha256 (``published``); older versions beyond ``keep`` are removed.
-An actor opens a version only from its job's own weights directory (``WeightsDirectory``), reads it once into a
-sealed copy in memory while hashing it, and loads that copy only if its digest is the one it was told.
+The trainer publishes version N as ``v000N.safetensors``: written to a hidden temporary name and hashed as it is
+written (one pass), flushed to disk with its directory, renamed into place (atomic), and announced with its sha256;
+older versions beyond ``keep`` are removed. Trainer rank 0 publishes in the background (``Publisher``), one
+version at a time, while its next step runs. An actor opens a version only from its job's own weights directory
+(``WeightsDirectory``), reads it once into a sealed copy in memory while hashing it, and loads that copy only if its
+digest is the one it was told.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
+import logging
 import os
 import stat
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from lockstep.origin import WEIGHTS_DIRECTORY, TrainerManifest, WeightsFiles, origin_problem
 from lockstep.protocol import Weights
+
+logger = logging.getLogger("lockstep.weights")
 
 
 class DigestMismatch(OSError):
@@ -154,18 +161,139 @@ job had committed when its pod was created, and reads it only once its pod has s
 
 
 def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int = 3) -> Weights:
-    """Write ``tensors`` as weights version ``version``; return what to announce. Older versions go once they are
-    neither among the ``keep`` newest nor younger than RETAIN_SECONDS."""
+    """Write ``tensors`` as weights version ``version``; return what to announce. The file is hashed as it is
+    written, and on disk (file and directory flushed) under its final name before this returns: a crash leaves
+    either the whole version or none under that name. Older versions go once they are neither among the ``keep``
+    newest nor younger than RETAIN_SECONDS."""
     directory.mkdir(parents=True, exist_ok=True)
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
-    save_file(_untied(tensors), str(partial))
+    with partial.open("wb") as stream:
+        digest = write_safetensors(_untied(tensors), stream)
+        stream.flush()
+        os.fsync(stream.fileno())
     os.replace(partial, final)
+    _fsync_directory(directory)
     retained_since = time.time() - RETAIN_SECONDS
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
         if old.stat().st_mtime < retained_since:
             old.unlink(missing_ok=True)
-    return published(directory, version)
+    return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
+
+
+class Writable(Protocol):
+    def write(self, data: bytes | memoryview, /) -> int: ...
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], stream: Writable) -> str:
+    """Write ``tensors`` (contiguous, on the CPU, no two sharing storage) to ``stream`` in the safetensors format
+    (an 8-byte little-endian header length, a JSON header of each tensor's dtype, shape and data offsets, then
+    the raw bytes), hashing the bytes as they go; return their digest. Larger elements come first, as
+    safetensors orders them, so every tensor is aligned to its element size."""
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, object] = {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which the safetensors format cannot hold")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    sha = hashlib.sha256()
+    for chunk in (len(encoded).to_bytes(8, "little"), encoded):
+        sha.update(chunk)
+        stream.write(chunk)
+    for name in order:
+        data = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
+        sha.update(data)
+        stream.write(data)
+    return f"sha256:{sha.hexdigest()}"
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+"""torch's dtypes → the safetensors format's names."""
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Flush ``directory``'s entries (a rename in it) to disk."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class PublishFailed(RuntimeError):
+    """A background publish failed; raised on the trainer's path at its next step, or at the end of training."""
+
+
+class Publisher:
+    """Trainer rank 0's publishes, each on a thread of its own, at most one at a time: a publish (write, hash,
+    flush, rename, announce) runs while the next step computes. ``wait`` blocks until the one in flight has
+    finished and raises its error, if it failed, as PublishFailed: the next call to ``wait`` or ``start`` after a
+    failure raises it, so no error is lost."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._version: int | None = None
+        self._error: BaseException | None = None
+
+    def start(self, version: int, work: Callable[[], object]) -> float:
+        """Wait for the publish in flight (``wait``), then run ``work``, the publish of ``version``, in the
+        background; return the seconds waited."""
+        waited = self.wait()
+        self._version = version
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"publish-v{version}", daemon=True)
+        self._thread.start()
+        return waited
+
+    def wait(self) -> float:
+        """Block until no publish is in flight; return the seconds waited. Raise PublishFailed if it failed."""
+        started = time.monotonic()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise PublishFailed(
+                f"publishing weights version {self._version} failed: {error}; the trainer stops, and a restarted "
+                "one resumes from the newest version on disk"
+            ) from error
+        return time.monotonic() - started
+
+    def wait_for(self, version: int) -> float:
+        """``wait`` if the publish in flight is of ``version`` or older (the actors cannot serve it before it is
+        announced); return the seconds waited."""
+        if self._thread is not None and self._version is not None and self._version <= version:
+            return self.wait()
+        return 0.0
+
+    def _run(self, work: Callable[[], object]) -> None:
+        try:
+            work()
+        except BaseException as error:  # handed to the trainer's thread by ``wait``
+            logger.exception("publishing weights version %s failed", self._version)
+            self._error = error
 
 
 def published(directory: Path, version: int) -> Weights:

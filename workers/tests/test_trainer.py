@@ -260,6 +260,7 @@ def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_
     (checkpoints / "step-000007" / ".metadata").touch()
     assert resumption(committed, weights, checkpoints) == Resumption(8, None, 7), "the checkpoint holds version 7"
     publish(model.state_dict(), weights, version=8)  # its announcement may have been lost with the old pod
+    (weights / ".v000009.safetensors.partial").write_bytes(b"\0" * 64)  # killed while writing version 9
     assert resumption(committed, weights, checkpoints) == Resumption(
         9, version_path(weights, 8), 7, announce_again=announcement_of(weights, 8)
     ), "version 8 keeps naming the weights published as 8, announced again; the optimizer state comes from step 7"
@@ -371,11 +372,58 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
     one = run_trainer(1, model, tmp_path / "one", steps=3)
     two = run_trainer(2, model, tmp_path / "two", steps=3)
     assert [r["step"] for r in two] == [1, 2, 3]
+    for record in one + two:  # what each publish cost the trainer, and the background write
+        assert all(record[name] >= 0 for name in ("publish_gather_seconds", "publish_wait_seconds")), record
+        assert record["publish_seconds"] > 0, record
     for mine, theirs in zip(two, one, strict=True):
         for name in ("loss", "reward", "kl_new_old", "entropy"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
     assert_same_weights(published(tmp_path / "two", 3), published(tmp_path / "one", 3))
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
+
+
+def test_a_failed_background_publish_stops_the_trainer_with_its_error(tmp_path: Path) -> None:
+    """The weights directory cannot be made (a file has its name): version 1's publish fails in the background, and
+    the trainer stops with that error before it goes on (here at step 1's checkpoint, which waits for it)."""
+    model = create_tiny_llama(tmp_path / "model")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "weights").write_text("not a directory")
+    with pytest.raises(mp.ProcessRaisedException, match=r"PublishFailed: publishing weights version 1 failed: "):
+        run_trainer(1, model, shared, steps=3)
+    assert not (shared / "metrics.jsonl").exists(), "no step was recorded as published"
+
+
+def _gather_then_step(rank: int, model: str, out: str) -> None:
+    """One rank: the full state dict, then an optimizer step; saves the state dict as gathered and after the step."""
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers import sharding
+
+    torch.set_num_threads(1)
+    mesh = sharding.start(rank, 1, torch.device("cpu"))
+    causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    policy = sharding.shard(causal_lm, mesh, compute_dtype=torch.float32, fp32_head=True)
+    whole = sharding.full_state_dict(causal_lm)
+    gathered = {name: tensor.clone() for name, tensor in whole.items()}
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    for parameter in policy.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    torch.save({"gathered": gathered, "after": whole, "moved": sharding.full_state_dict(causal_lm)}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_the_gathered_weights_are_a_snapshot_the_next_step_leaves_alone(tmp_path: Path) -> None:
+    """On one CPU rank the gathered tensors would be the live parameters: the background publish writes them while
+    the next step's optimizer runs, so they must not change under it."""
+    model = create_tiny_llama(tmp_path / "model")
+    out = tmp_path / "results.pt"
+    mp.spawn(_gather_then_step, args=(str(model), str(out)), nprocs=1)
+    results = torch.load(out, weights_only=False)
+    for name, tensor in results["gathered"].items():
+        assert torch.equal(results["after"][name], tensor), name
+    assert all(not torch.equal(results["moved"][n], t) for n, t in results["gathered"].items()), "the step moved"
 
 
 def _learn_with_and_without_activation_checkpointing(rank: int, model: str, out: str) -> None:

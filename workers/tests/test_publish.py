@@ -1,0 +1,150 @@
+"""The trainer's publish: a safetensors file written and hashed in one pass, on disk (file and directory flushed)
+before it is renamed into place and announced; rank 0's background publisher, one version at a time, whose errors
+reach the trainer; and a trainer killed mid-publish, which leaves no partial version where an actor or a resumed
+trainer could find it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lockstep_e2e.fixtures import wait_for
+from lockstep_workers import weights
+from lockstep_workers.weights import Publisher, PublishFailed, local_path, newest_version, publish, version_path
+
+
+def test_a_publish_hashes_what_it_writes_and_the_file_loads_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32, bf16, fp16, int and bool tensors, a 0-d one and an empty one, tied embeddings: the announced digest is
+    the file's sha256, computed while writing (the file is never read back), and safetensors loads every tensor
+    bit for bit; the lm_head tied to the embeddings is written once, as Hugging Face writes it."""
+    generator = torch.Generator().manual_seed(3)
+    embedding = torch.randn(16, 8, generator=generator)
+    tensors = {
+        "model.embed_tokens.weight": embedding,
+        "lm_head.weight": embedding,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(24, 8, generator=generator).to(torch.bfloat16),
+        "model.layers.0.input_layernorm.weight": torch.randn(8, generator=generator).to(torch.float16),
+        "model.rotary_emb.inv_freq": torch.arange(4, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scale": torch.tensor(0.25),
+        "nothing": torch.empty(0, 3),
+        "transposed": torch.randn(3, 5, generator=generator).t(),
+    }
+
+    def read_back(path: Path) -> str:
+        raise AssertionError(f"publish read {path} back to hash it")
+
+    monkeypatch.setattr(weights, "digest_of", read_back)
+    announced = publish(tensors, tmp_path, version=4)
+    path = local_path(announced)
+    assert path == version_path(tmp_path, 4).resolve()
+    assert announced.digest == f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
+    loaded = load_file(str(path))
+    assert set(loaded) == set(tensors) - {"lm_head.weight"}
+    for name, tensor in loaded.items():
+        assert tensor.dtype == tensors[name].dtype and tensor.shape == tensors[name].shape, name
+        assert torch.equal(tensor, tensors[name]), name
+    with pytest.raises(ValueError, match=r"tensor z has dtype torch.complex64, which the safetensors format cannot"):
+        publish({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path, version=5)
+
+
+def test_a_version_is_on_disk_before_its_name_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is flushed and fsynced under its hidden name, renamed, then its directory fsynced, all before
+    publish returns what to announce."""
+    events: list[str] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(descriptor: int) -> None:
+        events.append(f"fsync {Path(os.readlink(f'/proc/self/fd/{descriptor}')).name}")
+        fsync(descriptor)
+
+    def recorded_replace(source: Path, target: Path) -> None:
+        events.append(f"rename {Path(source).name} -> {Path(target).name}")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    publish({"w": torch.ones(4)}, tmp_path / "weights", version=1)
+    assert events == [
+        "fsync .v000001.safetensors.partial",
+        "rename .v000001.safetensors.partial -> v000001.safetensors",
+        "fsync weights",
+    ]
+
+
+def test_the_publisher_runs_one_publish_at_a_time_and_hands_on_its_error() -> None:
+    publisher = Publisher()
+    release = threading.Event()
+    ran: list[int] = []
+
+    def first() -> None:
+        release.wait()
+        ran.append(1)
+
+    publisher.start(1, first)
+    assert publisher.wait_for(0) == 0.0 and ran == [], "version 1 is not needed yet: no wait"
+    threading.Timer(0.05, release.set).start()
+    publisher.start(2, lambda: ran.append(2))  # waits for version 1 first
+    assert ran[0] == 1
+    publisher.wait()
+    assert ran == [1, 2]
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    publisher.start(3, full_disk)
+    with pytest.raises(PublishFailed, match=r"publishing weights version 3 failed: \[Errno 28\] No space left on"):
+        publisher.start(4, lambda: ran.append(4))
+    assert ran == [1, 2], "nothing started after the failure"
+    publisher.start(3, full_disk)
+    with pytest.raises(PublishFailed, match=r"version 3 failed"):
+        publisher.wait_for(3)
+    publisher.wait()  # the error was raised once, not again
+
+
+KILLED_MID_PUBLISH = """
+import os, sys, threading
+from pathlib import Path
+import torch
+from lockstep_workers.weights import publish
+
+directory, marker = Path(sys.argv[1]), Path(sys.argv[2])
+publish({"w": torch.zeros(8)}, directory, version=1)
+def blocked(descriptor):  # the bytes of version 2 are written, not yet on disk: the trainer is killed here
+    marker.touch()
+    threading.Event().wait()
+os.fsync = blocked
+publish({f"layer{n}": torch.ones(1 << 20) for n in range(16)}, directory, version=2)
+"""
+
+
+def test_a_trainer_killed_mid_publish_leaves_no_partial_version(tmp_path: Path) -> None:
+    """A publisher SIGKILLed after writing version 2's 64 MiB and before they were on disk: no file by version 2's
+    name, the newest version is still 1, and a resumed trainer goes on from version 1 (announced again)."""
+    from lockstep_workers.trainer import Resumption, resumption
+
+    directory, marker = tmp_path / "weights", tmp_path / "writing"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    trainer = subprocess.Popen([sys.executable, "-c", KILLED_MID_PUBLISH, str(directory), str(marker)], env=environment)
+    try:
+        wait_for(lambda: marker.exists() or trainer.poll() is not None, "version 2 to be written", timeout=300)
+        assert trainer.poll() is None, "the publisher ended before it was killed"
+        trainer.send_signal(signal.SIGKILL)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert sorted(p.name for p in directory.iterdir()) == [".v000002.safetensors.partial", "v000001.safetensors"]
+    assert not version_path(directory, 2).exists() and newest_version(directory) == 1
+    resumed = resumption(None, directory, tmp_path / "checkpoints")
+    assert resumed == Resumption(2, version_path(directory, 1), None, weights.published(directory, 1))
