@@ -38,7 +38,14 @@ from lockstep.api import WeightSyncBackend
 from lockstep.origin import TrainerManifest
 from lockstep.protocol import TransferGroup, Weights
 from lockstep.schema import Model
-from lockstep_workers.weights import RefusedWeights, VerifiedWeights, digest_of, refused, version_path
+from lockstep_workers.weights import (
+    SAFETENSORS_DTYPES,
+    RefusedWeights,
+    VerifiedWeights,
+    digest_of,
+    refused,
+    version_path,
+)
 
 logger = logging.getLogger("lockstep.transfer")
 
@@ -90,18 +97,11 @@ def manifest_of(path: Path, version: int, rendezvous: str) -> Manifest:
 
 
 _TORCH_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
+    name: str(dtype).removeprefix("torch.")
+    for dtype, name in SAFETENSORS_DTYPES.items()
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
 }
-"""safetensors' dtype names → torch's."""
+"""safetensors' dtype names → torch's, for the dtypes a transfer sends (every one the format has but float8)."""
 
 
 def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -195,11 +195,11 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], stream: Writable) -> 
     offset = 0
     for name in order:
         tensor = tensors[name]
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which the safetensors format cannot hold")
         size = tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + size],
         }
@@ -217,7 +217,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], stream: Writable) -> 
     return f"sha256:{sha.hexdigest()}"
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -231,7 +231,7 @@ _SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-"""torch's dtypes → the safetensors format's names."""
+"""torch's dtypes → the safetensors format's names (the one table of them; lockstep_workers.transfer reads it too)."""
 
 
 def _fsync_directory(directory: Path) -> None:
