@@ -171,11 +171,12 @@ def chart_rbac(*values: str) -> tuple[dict[str, Any], ...]:
     """The operator's RBAC exactly as the Helm chart grants it (with ``values``, ``key=value`` as for --set): its
     ClusterRole and the Role for the leader election Lease, with their bindings (release ``lockstep`` in
     keys.OPERATOR_NAMESPACE)."""
-    return _helm_template(RBAC_TEMPLATES, values)
+    return helm_template(RBAC_TEMPLATES, values)
 
 
-def _helm_template(templates: tuple[str, ...], values: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
-    """The chart's ``templates`` rendered as release ``lockstep`` with ``values`` (``key=value``, as for --set)."""
+def helm_template(templates: tuple[str, ...] = (), values: tuple[str, ...] = ()) -> tuple[dict[str, Any], ...]:
+    """The chart's ``templates`` (none named: all of them) rendered as release ``lockstep`` with ``values``
+    (``key=value``, as for --set)."""
     rendered = subprocess.run(
         [str(build.build_helm()), "template", RELEASE, str(CHART), "-n", keys.OPERATOR_NAMESPACE]
         + [f"--show-only={template}" for template in templates]
@@ -191,7 +192,7 @@ def _helm_template(templates: tuple[str, ...], values: tuple[str, ...]) -> tuple
 
 def chart_operator_env(*values: str) -> dict[str, str]:
     """The environment the chart's Deployment gives the operator's container (with ``values``)."""
-    rendered = _helm_template(("templates/deployment.yaml",), values)
+    rendered = helm_template(("templates/deployment.yaml",), values)
     (deployment,) = (document for document in rendered if document["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     return {variable["name"]: variable["value"] for variable in container.get("env", []) if "value" in variable}

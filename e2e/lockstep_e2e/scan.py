@@ -21,23 +21,10 @@ import yaml
 from lockstep import desired
 from lockstep.api import RLJobSpec
 from lockstep.parity import default_policy, effective_config
-from lockstep_e2e import build
-from lockstep_e2e.install import REPO
+from lockstep_e2e.install import REPO, helm_template
 
-CHART = REPO / "charts" / "lockstep"
 EXAMPLES = REPO / "examples"
 CONFIG = REPO / ".checkov.yaml"
-
-
-def chart_manifests() -> str:
-    """The chart's objects as ``helm template`` renders them with the default values."""
-    rendered = subprocess.run(
-        [str(build.build_helm()), "template", "lockstep", str(CHART), "--namespace=lockstep-system"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return rendered.stdout
 
 
 def example_objects(example: Path) -> list[dict[str, Any]]:
@@ -59,7 +46,7 @@ def example_objects(example: Path) -> list[dict[str, Any]]:
 
 def write_manifests(directory: Path) -> list[Path]:
     """The chart's and the examples' manifests, one file each, in ``directory``."""
-    files = {"chart.yaml": chart_manifests()}
+    files = {"chart.yaml": yaml.safe_dump_all(helm_template(), sort_keys=False)}
     for example in sorted(EXAMPLES.glob("*.yaml")):
         files[f"job-{example.stem}.yaml"] = yaml.safe_dump_all(example_objects(example), sort_keys=False)
     paths = []
