@@ -18,6 +18,7 @@ deleted, as a kubelet does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import signal
@@ -37,6 +38,7 @@ from lockstep.desired import JobRef, pod_name, rank0_name, trainer_host
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import read_pod, service_account_token
 from lockstep_e2e.jobs import get_job
+from lockstep_e2e.scrape import scrape
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +258,21 @@ class JobPods:
         log = self.logs / f"{name}.log"
         pod = run_pod(self.cluster, self.api, self.namespace, name, log, hosts=[trainer], **overrides)
         self.running[name] = (uid, pod)
+
+    def scrape_metrics(self) -> dict[str, str]:
+        """The /metrics text of each running pod that serves one (every actor; trainer rank 0) and answered.
+
+        A text counts only if its pod's process still runs once the answer is read: when a process has exited,
+        its port is free for any other process on the machine to listen on, and the answer would be that one's.
+        """
+        texts = {}
+        for name, (_, component) in list(self.running.items()):
+            url = self.metrics.get(name)
+            with contextlib.suppress(OSError):
+                text = scrape(url) if url else None
+                if text is not None and component.process is not None and component.process.poll() is None:
+                    texts[name] = text
+        return texts
 
     def log_tails(self) -> str:
         """The ending of every pod's log (a pod run again appends to the same one): what a run that stalled

@@ -9,7 +9,6 @@ carries them to the actors in barriers. Used by the demo and the end-to-end test
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
@@ -26,7 +25,6 @@ from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
 from lockstep_e2e.podrunner import JobPods, local_volume, run_to_completion, running_pods
-from lockstep_e2e.scrape import scrape
 from lockstep_workers import text_task
 from lockstep_workers.tiny_model import create_tiny_llama
 
@@ -161,9 +159,7 @@ def run_tiny_rl_job(
     with running_pods(cluster, kube, namespace, name, actors, logs) as pods:
         reported = 0
         while phase(job := get_job(kube, namespace, name)) not in ("Succeeded", "Failed"):
-            for pod, url in pods.metrics.items():
-                with contextlib.suppress(OSError):
-                    scraped[pod] = scrape(url)
+            scraped |= pods.scrape_metrics()
             if time.monotonic() - started > timeout:
                 raise TimeoutError(
                     f"RLJob {name} did not finish within {timeout:.0f}s; pod logs in {logs}, ending:\n"
