@@ -13,15 +13,23 @@ from kubernetes import client
 
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_e2e.install import pod_client
-from lockstep_workers.agent import AgentCore, PodAgent
+from lockstep_workers.agent import AgentCore, PodAgent, Staged
 
-STEPS = ("pause", "load", "resume")
+STEPS = ("stage", "pause", "swap", "resume")
+
+
+@dataclass(frozen=True)
+class RecordedStaging:
+    weights: Weights
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
 class RecordingEngine:
-    """Records what the agent asked of it. Clearing ``gates[step]`` ("pause", "load" or "resume") makes that
-    step wait until the gate is set again: a slow actor."""
+    """Records what the agent asked of it. Clearing ``gates[step]`` (one of STEPS) makes that step wait until the
+    gate is set again: a slow actor."""
 
     calls: list[str] = field(default_factory=list)
     gates: dict[str, threading.Event] = field(default_factory=lambda: {s: _set(threading.Event()) for s in STEPS})
@@ -30,9 +38,15 @@ class RecordingEngine:
         self.gates["pause"].wait()
         self.calls.append("pause")
 
-    def load(self, weights: Weights, group: TransferGroup | None) -> None:
-        self.gates["load"].wait()
-        self.calls.append(f"load {weights.version}")
+    def stage(self, weights: Weights, group: TransferGroup | None) -> RecordedStaging:
+        self.gates["stage"].wait()
+        self.calls.append(f"stage {weights.version}")
+        return RecordedStaging(weights)
+
+    def swap(self, staged: Staged) -> None:
+        assert isinstance(staged, RecordedStaging)
+        self.gates["swap"].wait()
+        self.calls.append(f"swap {staged.weights.version}")
 
     def resume(self) -> None:
         self.gates["resume"].wait()

@@ -161,7 +161,7 @@ def test_standby_takes_over_a_killed_leader_and_finishes_its_barrier(
 
     actors = running_job(api, namespace, "ha", 2)
     with CommandLog(api, namespace) as commands, running_agents(api, namespace, actors) as engines:
-        engines[actors[1]].gates["load"].clear()  # actor 1 is slow to load: the barrier stays open in Update
+        engines[actors[1]].gates["swap"].clear()  # actor 1 is slow to swap: the barrier stays open in Update
         announce_weights(api, namespace, "ha", 1)
         wait_for(
             lambda: (get_job(api, namespace, "ha")["status"].get("barrier") or {}).get("phase") == "Update",
@@ -171,11 +171,11 @@ def test_standby_takes_over_a_killed_leader_and_finishes_its_barrier(
         first.process.kill()
         killed, killed_at = time.monotonic(), dt.datetime.now(dt.UTC)
         first.process.wait()
-        engines[actors[1]].gates["load"].set()  # it acks while no replica leads
+        engines[actors[1]].gates["swap"].set()  # it acks while no replica leads
 
         def finished() -> bool:
             return weights_version(api, namespace, "ha") == 1 and all(
-                engine.calls == ["pause", "load 1", "resume"] for engine in engines.values()
+                engine.calls == ["stage 1", "pause", "swap 1", "resume"] for engine in engines.values()
             )
 
         wait_for(finished, "the standby to take over and finish the barrier", timeout=60, interval=0.2)

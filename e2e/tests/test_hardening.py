@@ -87,7 +87,7 @@ def test_one_error_ack_concerns_that_actor_alone(kube: client.ApiClient, namespa
 
     with running_agents(kube, namespace, [f"flaky-actor-{i}" for i in range(4)]) as engines:
         wait_for(lambda: weights_version(kube, namespace, "flaky") == 1, "the update with every actor")
-    assert all(engine.calls == ["pause", "load 1", "resume"] for engine in engines.values())
+    assert all(engine.calls == ["stage 1", "pause", "swap 1", "resume"] for engine in engines.values())
     record = get_job(kube, namespace, "flaky")["status"]["barrierHistory"][-1]
     assert record["outcome"] == "Completed" and record["members"] == 4 and not record["evicted"]
     assert uids(kube, namespace, "flaky") == before

@@ -30,7 +30,7 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
             announce_weights(kube, namespace, "sync", version)
             wait_for(lambda v=version: weights_version(kube, namespace, "sync") == v, f"weights version {version}")
     for pod, engine in engines.items():
-        assert engine.calls == ["pause", "load 1", "resume", "pause", "load 2", "resume"], pod
+        assert engine.calls == ["stage 1", "pause", "swap 1", "resume", "stage 2", "pause", "swap 2", "resume"], pod
     status = get_job(kube, namespace, "sync")["status"]
     assert "barrier" not in status and status["lag"] == 0
     history = status["barrierHistory"]
@@ -40,7 +40,9 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
     assert any("weights version 2 live on 3 member(s)" in e.message for e in events_for(kube, namespace, "sync"))
 
 
-@pytest.mark.parametrize(("phase", "step"), [("Update", "pause"), ("Update", "load"), ("Resume", "resume")])
+@pytest.mark.parametrize(
+    ("phase", "step"), [("Update", "stage"), ("Update", "pause"), ("Update", "swap"), ("Resume", "resume")]
+)
 def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
     kube: client.ApiClient, namespace: str, lockstep: Component, phase: str, step: str
 ) -> None:
@@ -61,7 +63,7 @@ def test_operator_killed_in_each_phase_finishes_the_barrier_after_restart(
         lockstep.start()
         wait_for(lambda: weights_version(kube, namespace, "crashy") == 1, "the restarted operator to finish it")
     for engine in engines.values():
-        assert engine.calls == ["pause", "load 1", "resume"]
+        assert engine.calls == ["stage 1", "pause", "swap 1", "resume"]
     # Lag is recomputed on every pass from the running actors; wait for a pass that sees them both.
     wait_for(lambda: get_job(kube, namespace, "crashy")["status"].get("lag") == 0, "lag 0 after the restart")
 
@@ -85,7 +87,7 @@ def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
         # Recreated after the barrier closed, it starts from the committed weights; recreated while it was
         # still open (nothing committed yet), it catches up in a barrier of its own.
         initial = core.read_namespaced_pod(actors[1], namespace).metadata.annotations.get(keys.INITIAL_WEIGHTS)
-        expected = ["load 1"] if initial else ["pause", "load 1", "resume"]
+        expected = ["stage 1", "swap 1"] if initial else ["stage 1", "pause", "swap 1", "resume"]
         with running_agents(kube, namespace, actors[1:]) as late:
             wait_for(lambda: late[actors[1]].calls == expected, f"the replacement to reach version 1 by {expected}")
             wait_for(lambda: "barrier" not in get_job(kube, namespace, "shrink")["status"], "no barrier open")
@@ -113,7 +115,7 @@ def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient
     with running_agents(kube, namespace, ["evict-actor-0"]) as engines:
         announce_weights(kube, namespace, "evict", 1)
         wait_for(lambda: weights_version(kube, namespace, "evict") == 1, "the update without the straggler", 60)
-    assert engines["evict-actor-0"].calls == ["pause", "load 1", "resume"]
+    assert engines["evict-actor-0"].calls == ["stage 1", "pause", "swap 1", "resume"]
     record = get_job(kube, namespace, "evict")["status"]["barrierHistory"][-1]
     assert record["evicted"] == ["evict-actor-1"] and record["outcome"] == "Completed"
     assert any("evicted from barrier" in e.message for e in events_for(kube, namespace, "evict"))

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
@@ -43,9 +43,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 from lockstep import environment
 from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
 from lockstep.protocol import TransferGroup, Weights
-from lockstep_workers.transfer import VLLM_ENGINE, TrainerManifests, receive
+from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
 from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
+
+if TYPE_CHECKING:
+    from lockstep_workers.agent import Staged
 
 logger = logging.getLogger("lockstep.actor")
 
@@ -162,12 +165,13 @@ class Actor:
         self.pause_seconds = self.paused_at - started
         PAUSED.set(1)
 
-    async def load(self, weights: Weights, source: TransferGroup | VerifiedWeights) -> None:
+    async def load(self, weights: Weights, source: StagedTransfer | VerifiedWeights) -> None:
         """Reload the weights in place in every vLLM worker: received from the trainer in a transfer group, or
-        from the verified copy of their file (WeightsDirectory.read), which the workers read from this process."""
+        from the verified copy of their file (WeightsDirectory.read), which the workers read from this process's
+        memory."""
         started = time.time()
-        if isinstance(source, TransferGroup):
-            await receive(self.llm, weights, source, self.backend)
+        if isinstance(source, StagedTransfer):
+            await receive(self.llm, source, self.backend)
         else:
             await self.llm.collective_rpc("lockstep_reload", args=(source.path,))
         self.loaded = weights.version
@@ -177,6 +181,7 @@ class Actor:
                 "version": weights.version,
                 "pausedAt": self.paused_at,
                 "loadedAt": loaded_at,
+                "stageSeconds": source.seconds,
                 "pauseSeconds": self.pause_seconds if self.paused_at is not None else 0.0,
                 "loadSeconds": loaded_at - started,
             }
@@ -216,7 +221,7 @@ def weights_origin(backend: WeightSyncBackend, environ: Mapping[str, str]) -> We
 class LoopEngine:
     """The agent's Engine (called from its thread), carried out on the actor's event loop. It loads only weights
     from ``origin``: the job's initial weights and every barrier's (a refused URI raises RefusedWeights, which
-    the agent acks as an error)."""
+    the agent acks as an error). Staging runs in the agent's thread, so the loop keeps generating meanwhile."""
 
     def __init__(self, actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOrigin) -> None:
         self.actor = actor
@@ -229,13 +234,15 @@ class LoopEngine:
     def pause(self) -> None:
         self._run(self.actor.pause())
 
-    def load(self, weights: Weights, group: TransferGroup | None) -> None:
+    def stage(self, weights: Weights, group: TransferGroup | None) -> StagedTransfer | VerifiedWeights:
         self.origin.check(weights)
         if group is not None:
-            self._run(self.actor.load(weights, group))
-            return
-        with self.origin.read(weights) as verified:
-            self._run(self.actor.load(weights, verified))
+            return StagedTransfer.fetch(weights, group)
+        return self.origin.read(weights)
+
+    def swap(self, staged: Staged) -> None:
+        assert isinstance(staged, StagedTransfer | VerifiedWeights), staged
+        self._run(self.actor.load(staged.weights, staged))
 
     def resume(self) -> None:
         self._run(self.actor.resume())

@@ -7,6 +7,7 @@ watches only its own pod (a field selector), and writes only its own ack annotat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -21,6 +22,13 @@ from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, TransferGroup
 logger = logging.getLogger("lockstep.agent")
 
 
+class Staged(Protocol):
+    """Weights an engine made ready to swap in, while it kept generating."""
+
+    def close(self) -> None:
+        """Release what staging holds (the in-memory copy), swapped in or not."""
+
+
 class Engine(Protocol):
     """What the agent drives: the vLLM actor implements it, and the trainer as the sender of the collective
     backends (its pause and resume do nothing)."""
@@ -29,9 +37,14 @@ class Engine(Protocol):
         """Stop scheduling; keep in-flight requests and the KV cache (pause_generation(mode="keep",
         clear_cache=False))."""
 
-    def load(self, weights: Weights, group: TransferGroup | None) -> None:
-        """Put ``weights`` in place, or raise: read them from their file (checking the digest), or, given a
-        transfer ``group``, take part in it at that rank (receive, or send as rank 0)."""
+    def stage(self, weights: Weights, group: TransferGroup | None) -> Staged:
+        """Make ``weights`` ready to swap in while generation goes on, or raise: read their file once into host
+        memory, hashing it, and check the digest; given a transfer ``group``, check what the trainer will send
+        (the transfer itself is the swap)."""
+
+    def swap(self, staged: Staged) -> None:
+        """Put the staged weights in place (paused, no file read), or raise: load the in-memory copy, or take
+        part in the transfer group at its rank (receive, or send as rank 0)."""
 
     def resume(self) -> None:
         """Continue the paused requests under the loaded weights (resume_generation())."""
@@ -47,7 +60,8 @@ class AgentCore:
     def start(self, initial: Weights | None) -> None:
         """Load the weights the job had committed when this pod was created, before reporting ready."""
         if initial is not None:
-            self.engine.load(initial, None)
+            with contextlib.closing(self.engine.stage(initial, None)) as staged:
+                self.engine.swap(staged)
             self.loaded = initial
 
     def handle(self, command: Command) -> Ack:
@@ -59,12 +73,15 @@ class AgentCore:
         weights = Weights(version=command.version, uri=command.uri, digest=command.digest)
         error = None
         try:
-            self._pause()
             if command.phase is not BarrierPhase.PAUSE and (self.loaded != weights or command.group is not None):
-                # An agent that restarted mid-barrier may see Update or Resume first: it still
-                # pauses, loads and resumes in that order. A member of a transfer group always takes part.
-                self.engine.load(weights, command.group)
+                # Staged while the engine still generates; paused only for the swap. An agent that restarted
+                # mid-barrier may see Update or Resume first: it still stages, pauses, swaps and resumes in that
+                # order. A member of a transfer group always takes part.
+                with contextlib.closing(self.engine.stage(weights, command.group)) as staged:
+                    self._pause()
+                    self.engine.swap(staged)
                 self.loaded = weights
+            self._pause()
             if command.phase is BarrierPhase.RESUME:
                 self.engine.resume()
                 self.paused = False

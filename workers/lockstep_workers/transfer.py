@@ -16,19 +16,19 @@ its digest is the announced one, and receives through vLLM's weight-transfer API
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import functools
 import json
 import logging
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field
@@ -46,6 +46,9 @@ from lockstep_workers.weights import (
     refused,
     version_path,
 )
+
+if TYPE_CHECKING:
+    from lockstep_workers.agent import Staged
 
 logger = logging.getLogger("lockstep.transfer")
 
@@ -180,6 +183,28 @@ def fetch_manifest(weights: Weights) -> Manifest:
     return manifest
 
 
+@dataclass(frozen=True)
+class StagedTransfer:
+    """A member's part in a barrier's transfer group, checked before it pauses: the manifest the trainer serves for
+    ``weights`` (its version and digest the announced ones) and the member's ranks (None: every member has them).
+    The transfer itself is the swap; nothing is held in memory meanwhile."""
+
+    weights: Weights
+    manifest: Manifest
+    group: TransferGroup | None
+    seconds: float
+    """How long the check took."""
+
+    @classmethod
+    def fetch(cls, weights: Weights, group: TransferGroup) -> StagedTransfer:
+        """Fetch and check the manifest at ``weights.uri`` (fetch_manifest)."""
+        started = time.monotonic()
+        return cls(weights, fetch_manifest(weights), group, time.monotonic() - started)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def send(path: Path, manifest: Manifest, group: TransferGroup, backend: WeightSyncBackend) -> None:
     """Open the group as rank 0 and send the file's tensors; returns once every receiver has them."""
     host, port = manifest.host_and_port()
@@ -217,15 +242,24 @@ class Sender:
     def pause(self) -> None:
         pass
 
-    def load(self, weights: Weights, group: TransferGroup | None) -> None:
-        if group is None:
-            return  # every member already has these weights
-        path = version_path(self.directory, weights.version)
-        manifest = manifest_of(path, weights.version, self.rendezvous)
+    def stage(self, weights: Weights, group: TransferGroup | None) -> StagedTransfer:
+        """Check that this pod's file of ``weights.version`` is the announced one."""
+        started = time.monotonic()
+        manifest = manifest_of(version_path(self.directory, weights.version), weights.version, self.rendezvous)
         if manifest.digest != weights.digest:
-            raise ValueError(f"{path} is not weights version {weights.version} as announced ({weights.digest})")
-        logger.info("sending weights version %d to %d rank(s)", weights.version, group.world_size - 1)
-        send(path, manifest, group, self.backend)
+            raise ValueError(
+                f"{version_path(self.directory, weights.version)} is not weights version {weights.version} as "
+                f"announced ({weights.digest})"
+            )
+        return StagedTransfer(weights, manifest, group, time.monotonic() - started)
+
+    def swap(self, staged: Staged) -> None:
+        """Send the staged version to the group (nothing when every member already has it)."""
+        assert isinstance(staged, StagedTransfer), staged
+        if staged.group is None:
+            return
+        logger.info("sending weights version %d to %d rank(s)", staged.weights.version, staged.group.world_size - 1)
+        send(version_path(self.directory, staged.weights.version), staged.manifest, staged.group, self.backend)
 
     def resume(self) -> None:
         pass
@@ -238,11 +272,12 @@ def gloo_group(host: str, port: int, rank: int, world_size: int) -> Any:
     return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo", timeout=GROUP_TIMEOUT)
 
 
-async def receive(llm: Any, weights: Weights, group: TransferGroup, backend: WeightSyncBackend) -> None:
-    """Receive ``weights`` into every vLLM worker of ``llm`` (an AsyncLLM) and load them in place."""
+async def receive(llm: Any, staged: StagedTransfer, backend: WeightSyncBackend) -> None:
+    """Receive the staged version into every vLLM worker of ``llm`` (an AsyncLLM) and load it in place."""
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
-    manifest = await asyncio.to_thread(fetch_manifest, weights)
+    manifest, group = staged.manifest, staged.group
+    assert group is not None, "an actor receives only as a member of the group"
     host, port = manifest.host_and_port()
     init_info = {
         "master_address": host,

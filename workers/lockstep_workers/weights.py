@@ -102,14 +102,17 @@ class VerifiedWeights:
     """A sealed in-memory copy of a weights file whose digest was checked: nothing can change it any more. Another
     process of this pod (vLLM's workers) reads it at ``path`` while it is open."""
 
-    def __init__(self, fd: int, weights: Weights) -> None:
+    def __init__(self, fd: int, weights: Weights, seconds: float) -> None:
         self.fd = fd
         self.weights = weights
+        self.seconds = seconds
+        """How long the read, hash and copy took."""
 
     @classmethod
     def copy(cls, source: int, weights: Weights) -> VerifiedWeights:
         """Copy the open file ``source`` in one pass, hashing as it goes; raise DigestMismatch unless it is
         ``weights.digest``."""
+        started = time.monotonic()
         fd = os.memfd_create(f"weights-v{weights.version}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             sha = hashlib.sha256()
@@ -127,7 +130,7 @@ class VerifiedWeights:
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, weights)
+        return cls(fd, weights, time.monotonic() - started)
 
     @property
     def path(self) -> str:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from lockstep.api import BarrierRecord, BarrierStatus, TimeoutAction
 from lockstep.barrier import Member, remember, step
 from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, TransferGroup, Weights, document, parse_ack
-from lockstep_workers.agent import AgentCore
+from lockstep_workers.agent import AgentCore, Staged
 
 START = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
 TIMEOUT = 30.0
@@ -33,23 +33,43 @@ def weights(version: int) -> Weights:
     return Weights(version=version, uri=f"file:///weights/v{version}", digest=f"sha256:{version:064x}")
 
 
+@dataclass(frozen=True)
+class FakeStaged:
+    weights: Weights
+    group: TransferGroup | None
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class FakeEngine:
-    """Records what the agent asked of it; can be told to fail the next load."""
+    """Records what the agent asked of it; can be told to fail the next staging (a digest that does not match)
+    or the next swap."""
 
     calls: list[str] = field(default_factory=list)
     groups: list[TransferGroup | None] = field(default_factory=list)
-    fail_next_load: bool = False
+    fail_next: str | None = None
+    """"stage" or "swap": that step raises once."""
+
+    def _fail(self, step: str, target: Weights) -> None:
+        if self.fail_next == step:
+            self.fail_next = None
+            raise OSError(f"{step} failed for {target.uri}")
 
     def pause(self) -> None:
         self.calls.append("pause")
 
-    def load(self, target: Weights, group: TransferGroup | None) -> None:
-        if self.fail_next_load:
-            self.fail_next_load = False
-            raise OSError(f"digest mismatch for {target.uri}")
-        self.calls.append(f"load {target.version}")
-        self.groups.append(group)
+    def stage(self, target: Weights, group: TransferGroup | None) -> FakeStaged:
+        self._fail("stage", target)
+        self.calls.append(f"stage {target.version}")
+        return FakeStaged(target, group)
+
+    def swap(self, staged: Staged) -> None:
+        assert isinstance(staged, FakeStaged)
+        self._fail("swap", staged.weights)
+        self.calls.append(f"swap {staged.weights.version}")
+        self.groups.append(staged.group)
 
     def resume(self) -> None:
         self.calls.append("resume")
@@ -142,7 +162,9 @@ actions = st.one_of(
     st.tuples(st.just("announce")),
     st.tuples(st.just("operate")),
     st.tuples(
-        st.sampled_from(["deliver", "redeliver", "stale", "garbage", "replace", "delete", "fail", "silence"]),
+        st.sampled_from(
+            ["deliver", "redeliver", "stale", "garbage", "replace", "delete", "fail-stage", "fail-swap", "silence"]
+        ),
         st.integers(0, 3),
     ),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 31.0])),
@@ -189,8 +211,8 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
             world.add_pod(pod.name)
         elif action == "delete":
             del world.pods[pod.name]
-        elif action == "fail":
-            pod.engine.fail_next_load = True
+        elif action in ("fail-stage", "fail-swap"):
+            pod.engine.fail_next = action.removeprefix("fail-")
         elif action == "silence":
             pod.silent = True
 
@@ -224,21 +246,27 @@ def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
 
 
 def assert_ordered(pod: Pod, collective: bool) -> None:
-    """Per barrier the engine saw pause, then at most one load (with a collective backend, one per attempt at
-    the transfer), then resume; a load while serving happens only at start, before the pod is ready."""
+    """Per barrier the engine saw: the version staged (generating still), pause, at most one swap of what was
+    staged last (with a collective backend, one per attempt at the transfer), then resume; a swap while serving
+    happens only at start, before the pod is ready."""
     paused = False
-    loads_since_pause = 0
-    for position, call in enumerate(pod.engine.calls):
+    staged = None
+    swaps_since_pause = 0
+    calls = pod.engine.calls
+    for position, call in enumerate(calls):
         if call == "pause":
-            assert not paused, f"{pod.name} paused twice: {pod.engine.calls}"
-            paused, loads_since_pause = True, 0
+            assert not paused, f"{pod.name} paused twice: {calls}"
+            paused, swaps_since_pause = True, 0
         elif call == "resume":
-            assert paused, f"{pod.name} resumed without a pause: {pod.engine.calls}"
+            assert paused, f"{pod.name} resumed without a pause: {calls}"
             paused = False
+        elif call.startswith("stage "):
+            staged = call.removeprefix("stage ")
         else:
-            assert paused or position == 0, f"{pod.name} loaded while serving: {pod.engine.calls}"
-            loads_since_pause += 1
-            assert collective or loads_since_pause <= 1, f"{pod.name} loaded twice in one barrier: {pod.engine.calls}"
+            assert call == f"swap {staged}", f"{pod.name} swapped in what it did not stage last: {calls}"
+            assert paused or position == 1, f"{pod.name} swapped while serving: {calls}"
+            swaps_since_pause += 1
+            assert collective or swaps_since_pause <= 1, f"{pod.name} swapped twice in one barrier: {calls}"
 
 
 def test_a_redelivered_command_is_acked_again_but_not_repeated() -> None:
@@ -249,11 +277,13 @@ def test_a_redelivered_command_is_acked_again_but_not_repeated() -> None:
         first = agent.handle(command)
         assert agent.handle(command) == first
         assert first.phase == ACK_FOR[phase]
-    assert engine.calls == ["pause", "load 1", "resume"]
+    assert engine.calls == ["pause", "stage 1", "swap 1", "resume"], "a Pause command pauses before anything"
 
 
 def test_a_failed_command_is_carried_out_again_only_when_asked_again(caplog: pytest.LogCaptureFixture) -> None:
-    engine = FakeEngine(fail_next_load=True)
+    """A staging that fails (its digest does not match, say) is this member's error alone, and it fails before
+    the pause: the member goes on generating under its old weights until the operator asks again."""
+    engine = FakeEngine(fail_next="stage")
     agent = AgentCore(engine)
     update = Command(id="job/1/1", version=1, uri="u", digest="d", phase=BarrierPhase.UPDATE)
     with caplog.at_level(logging.INFO, logger="lockstep.agent"):
@@ -266,7 +296,18 @@ def test_a_failed_command_is_carried_out_again_only_when_asked_again(caplog: pyt
     assert agent.handle(update) == failed, "the same try is acked again, not repeated"
     retried = agent.handle(update.model_copy(update={"retry": 1}))
     assert retried.error is None and retried.retry == 1 and retried.loaded_version == 1
-    assert engine.calls == ["pause", "load 1"]
+    assert engine.calls == ["stage 1", "pause", "swap 1"], "never paused for the staging that failed"
+
+
+def test_a_failed_swap_leaves_the_member_paused_on_its_old_weights_until_asked_again() -> None:
+    engine = FakeEngine(fail_next="swap")
+    agent = AgentCore(engine)
+    update = Command(id="job/1/1", version=1, uri="u", digest="d", phase=BarrierPhase.UPDATE)
+    failed = agent.handle(update)
+    assert failed.error is not None and failed.loaded_version is None and agent.paused
+    retried = agent.handle(update.model_copy(update={"retry": 1}))
+    assert retried.error is None and retried.loaded_version == 1
+    assert engine.calls == ["stage 1", "pause", "stage 1", "swap 1"], "staged again, paused once"
 
 
 def test_a_member_has_resumed_a_version_only_once_it_acked_resumed_for_it() -> None:

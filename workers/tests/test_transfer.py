@@ -66,7 +66,7 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
     from lockstep_e2e.cluster import free_port
     from lockstep_workers.actor import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import create_tiny_llama
-    from lockstep_workers.transfer import ManifestServer, manifest_of, manifest_uri, send
+    from lockstep_workers.transfer import ManifestServer, StagedTransfer, manifest_of, manifest_uri, send
     from lockstep_workers.weights import version_path
 
     model_dir = create_tiny_llama(tmp_path / "model")
@@ -94,10 +94,11 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
             await asyncio.sleep(0.5)
+            staged = await asyncio.to_thread(StagedTransfer.fetch, weights, group)  # while generating
             await actor.pause()
             sender = threading.Thread(target=trainer)
             sender.start()
-            await actor.load(weights, group)
+            await actor.load(weights, staged)
             await asyncio.to_thread(sender.join)
             await actor.resume()
             return await request

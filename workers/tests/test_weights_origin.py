@@ -162,7 +162,7 @@ def test_the_agent_acks_a_refused_uri_as_an_error_and_loads_nothing(
     command = Command(id="job/1/1", version=1, uri=forged.uri, digest=forged.digest, phase=BarrierPhase.UPDATE)
     ack = agent.handle(command)
     assert ack.error is not None and forged.uri in ack.error and "RefusedWeights" in ack.error
-    assert ack.loaded_version is None and llm.calls == ["pause"], "refused: paused for the barrier, nothing loaded"
+    assert ack.loaded_version is None and llm.calls == [], "refused before staging: never paused, nothing loaded"
 
     genuine = publish(TENSORS, shared / "weights", version=2)
     ack = agent.handle(
