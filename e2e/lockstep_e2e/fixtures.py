@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psutil
 import pytest
@@ -91,9 +92,10 @@ def lockstep(
     operator.stop()
 
 
-def running_job(kube: client.ApiClient, namespace: str, name: str, actors: int) -> list[str]:
-    """Create an RLJob and wait until it runs; its actor pod names."""
-    create_job(kube, namespace, rljob(name, actors=actors))
+def running_job(kube: client.ApiClient, namespace: str, name: str, actors: int, **spec: Any) -> list[str]:
+    """Create an RLJob (``spec``: further fields, as ``rljob`` takes them) and wait until it runs; its actor pod
+    names."""
+    create_job(kube, namespace, rljob(name, actors=actors, **spec))
     wait_for(lambda: phase(get_job(kube, namespace, name)) == "Running", f"RLJob {name} to run")
     return [f"{name}-actor-{i}" for i in range(actors)]
 

@@ -28,6 +28,7 @@ BAD_SPECS = {
     "unknown field": {"actors": {"image": "a", "vlm": {}}},
     "locked key": {"actors": {"image": "a", "vllm": {"logprobsMode": "raw_logprobs", "asyncScheduling": True}}},
     "no weights volume": {"weightSync": {"backend": "filesystem"}},
+    "rolling over gloo": {"weightSync": {"backend": "gloo", "mode": "Rolling"}},
     "reward not importable": {"trainer": {"image": "t", "reward": "rewards.py"}},
     "too few prompts": {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
     "no actors": {"actors": {"image": "a", "replicas": 0}},

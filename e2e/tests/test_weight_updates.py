@@ -21,10 +21,12 @@ from lockstep_e2e.jobs import announce_weights, create_job, events_for, get_job,
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
 
-def test_announced_weights_reach_every_actor_through_pause_update_resume(
-    kube: client.ApiClient, namespace: str
+@pytest.mark.parametrize(("mode", "phases"), [("Lockstep", {"Update", "Resume"}), ("Rolling", {"Resume"})])
+def test_announced_weights_reach_every_actor_staged_then_swapped_in_the_pause(
+    kube: client.ApiClient, namespace: str, mode: str, phases: set[str]
 ) -> None:
-    actors = running_job(kube, namespace, "sync", 3)
+    """Lockstep: Update (stage, pause, swap) on every actor, then Resume; Rolling: one command per actor."""
+    actors = running_job(kube, namespace, "sync", 3, weightSync={"mode": mode})
     with running_agents(kube, namespace, actors) as engines:
         for version in (1, 2):
             announce_weights(kube, namespace, "sync", version)
@@ -36,7 +38,7 @@ def test_announced_weights_reach_every_actor_through_pause_update_resume(
     history = status["barrierHistory"]
     assert [record["version"] for record in history] == [1, 2]
     assert all(record["outcome"] == "Completed" and record["members"] == 3 for record in history)
-    assert set(history[0]["phaseSeconds"]) == {"Update", "Resume"}
+    assert all(set(record["phaseSeconds"]) == phases for record in history)
     assert any("weights version 2 live on 3 member(s)" in e.message for e in events_for(kube, namespace, "sync"))
 
 

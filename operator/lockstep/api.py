@@ -584,6 +584,20 @@ class TimeoutAction(StrEnum):
     EVICT_STRAGGLER = "EvictStraggler"
 
 
+class UpdateMode(StrEnum):
+    """How the members of a weight update take a version (docs/barrier-protocol.md)."""
+
+    LOCKSTEP = "Lockstep"
+    ROLLING = "Rolling"
+
+
+ROLLING_BACKEND_RULE = cel(
+    "self.mode != 'Rolling' || self.backend == 'filesystem'",
+    "spec.weightSync.mode Rolling needs backend filesystem: with nccl or gloo every member takes the weights in "
+    "one transfer group at once; use mode Lockstep with them",
+    field_path=".mode",
+)
+
 WEIGHTS_VOLUME_RULE = cel(
     "self.backend != 'filesystem' || has(self.volume)",
     "spec.weightSync.volume is required with backend filesystem: a volume every actor and trainer pod mounts, "
@@ -595,7 +609,7 @@ WEIGHTS_VOLUME_RULE = cel(
 
 
 class WeightSync(Model):
-    model_config = ConfigDict(json_schema_extra=validations(WEIGHTS_VOLUME_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(WEIGHTS_VOLUME_RULE, ROLLING_BACKEND_RULE))
 
     backend: WeightSyncBackend = Field(
         WeightSyncBackend.FILESYSTEM,
@@ -613,6 +627,15 @@ class WeightSync(Model):
         "restarts (without it they live in an emptyDir, and a trainer that lost its pod after weights were "
         "committed cannot resume).",
         json_schema_extra=OPAQUE_OBJECT,
+    )
+    mode: UpdateMode = Field(
+        UpdateMode.LOCKSTEP,
+        description="How the actors take each new version. Both stage it (read and verify it into memory) while "
+        "they generate, and pause only to swap it in. Lockstep: no actor resumes until every actor has swapped, so "
+        "all of them serve one version at any time (an Update and a Resume command per actor). Rolling (backend "
+        "filesystem only): each actor resumes as soon as it has swapped (one command per actor, the shortest "
+        "pause), so for a moment actors serve different versions; each token still carries its version and "
+        "spec.trainer.maxLag still bounds it. Either way status.weightsVersion is a version every actor serves.",
     )
     barrier_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
         600,

@@ -106,17 +106,20 @@ def step(
     on_timeout: TimeoutAction,
     sender: str | None = None,
     ranks_per_member: int = 1,
+    rolling: bool = False,
 ) -> Decision:
     """Advance the barrier by what the member pods say; open one when weights are newer than committed (also
     right after the open one completed: the next barrier opens in the step that closes the last).
 
-    Protocol 2: a barrier opens in ``Update`` (each member pauses, then loads) and moves to ``Resume`` once
+    Protocol 2: a barrier opens in ``Update`` (each member stages, pauses, then swaps) and moves to ``Resume`` once
     every member has loaded, so no member resumes a version before all of them hold it. ``sender`` names the
     member that sends the weights (the trainer, with a collective backend; None when the actors read files):
     rank 0 of the transfer group formed when the barrier opens, in which the members that need the weights
     get ``ranks_per_member`` ranks each (their vLLM workers). A transfer that breaks (a member of its group
     left or reported an error) is retried as a new attempt that opens in ``Pause``: the members stay paused
-    while it waits for the sender (or its replacement), and its ``Update`` forms a new group.
+    while it waits for the sender (or its replacement), and its ``Update`` forms a new group. A ``rolling``
+    barrier (no sender) opens in ``Resume``: each member stages, pauses, swaps and resumes on its own, and the
+    barrier completes once every member acked ``Resumed``.
     """
     decision = Decision(barrier=barrier, committed=committed)
     seen = {m.name: m for m in members}
@@ -130,7 +133,7 @@ def step(
         history = remember(history, record)
         seen = {name: m for name, m in seen.items() if name not in decision.evict}
     opened = _maybe_open(
-        job_uid, decision.committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member
+        job_uid, decision.committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member, rolling
     )
     if opened is None:
         return decision
@@ -162,7 +165,9 @@ def _maybe_open(
     timeout_seconds: float,
     sender: str | None,
     ranks_per_member: int,
+    rolling: bool,
 ) -> BarrierStatus | None:
+    assert not (rolling and sender), "a rolling update has no transfer group"
     if sender is not None and sender not in seen:
         return None  # the weights can only come from the sender: wait for it
     receivers = [m for name, m in seen.items() if name != sender]
@@ -184,7 +189,7 @@ def _maybe_open(
         version=target.version,
         uri=target.uri,
         digest=target.digest,
-        phase=BarrierPhase.UPDATE,
+        phase=BarrierPhase.RESUME if rolling else BarrierPhase.UPDATE,
         members={m.name: m.uid for m in [*sending, *joining]},
         sender=sender,
         started_at=stamp,

@@ -33,6 +33,7 @@ def run(
     announced: Weights | None = V1,
     loaded: int | None = None,
     sender: str | None = None,
+    rolling: bool = False,
 ) -> Decision:
     return step(
         job_uid="job",
@@ -46,6 +47,7 @@ def run(
         on_timeout=on_timeout,
         sender=sender,
         ranks_per_member=2,
+        rolling=rolling,
     )
 
 
@@ -74,6 +76,24 @@ def test_phases_advance_only_when_every_member_acked_and_history_names_the_slowe
     assert done.record is not None
     assert done.record.phase_seconds == {"Update": 3.0, "Resume": 2.0}
     assert done.record.slowest_pod == "b" and done.record.seconds == 5.0
+
+
+def test_a_rolling_barrier_asks_each_member_once_and_commits_when_every_member_resumed() -> None:
+    """spec.weightSync.mode Rolling: one command per member (Resume: stage, pause, swap, resume on its own); a
+    member that resumed does not wait for the others, but the version counts as committed only once all did."""
+    barrier = run(None, {"a": None, "b": None}, rolling=True).barrier
+    assert barrier is not None and barrier.phase is BarrierPhase.RESUME
+    a_resumed = ack(barrier, "Resumed", loaded_version=1)
+    half = run(barrier.model_copy(deep=True), {"a": a_resumed, "b": None}, seconds=1, rolling=True)
+    assert half.barrier is not None and half.committed is None, "b still serves version 0"
+    assert {c.phase for c in half.commands.values()} == {BarrierPhase.RESUME}
+    errored = run(
+        half.barrier.model_copy(deep=True), {"a": a_resumed, "b": ack(barrier, "Resumed", error="digest")}, rolling=True
+    )
+    assert errored.barrier is not None and errored.commands["b"].retry == 1, "an error is asked again, as in Lockstep"
+    done = run(half.barrier, {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}, seconds=2, loaded=1)
+    assert done.barrier is None and done.committed == V1
+    assert done.record is not None and done.record.phase_seconds == {"Resume": 2.0}
 
 
 def test_stale_and_unreadable_acks_are_ignored_and_reported_once() -> None:

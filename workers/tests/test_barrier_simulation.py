@@ -94,6 +94,8 @@ SENDER = "trainer-0"
 class World:
     on_timeout: TimeoutAction
     collective: bool = False
+    rolling: bool = False
+    """spec.weightSync.mode Rolling (files only): each member resumes once it swapped."""
     """The trainer sends the weights (a barrier member); new pods cannot load the committed weights alone."""
     now: dt.datetime = START
     pods: dict[str, Pod] = field(default_factory=dict)
@@ -142,6 +144,7 @@ class World:
             timeout_seconds=TIMEOUT,
             on_timeout=self.on_timeout,
             sender=SENDER if self.collective else None,
+            rolling=self.rolling,
             ranks_per_member=2,
         )
         self.status = {
@@ -177,13 +180,14 @@ actions = st.one_of(
     script=st.lists(actions, max_size=60),
     on_timeout=st.sampled_from(list(TimeoutAction)),
     collective=st.booleans(),
+    rolling=st.booleans(),
 )
 def test_every_interleaving_ends_resumed_on_the_newest_weights_or_failed(
-    actors: int, script: list[tuple[Any, ...]], on_timeout: TimeoutAction, collective: bool
+    actors: int, script: list[tuple[Any, ...]], on_timeout: TimeoutAction, collective: bool, rolling: bool
 ) -> None:
     """Filesystem or collective transport: whatever the pods (the sending trainer too) do, in any order,
     the barrier ends with every pod resumed on the newest weights, or with the job failed."""
-    world = World(on_timeout, collective)
+    world = World(on_timeout, collective, rolling=rolling and not collective)
     names = [f"actor-{index}" for index in range(actors)] + ([SENDER] if collective else [])
     for name in names:
         world.add_pod(name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lockstep import barrier, desired, keys, protocol
-from lockstep.api import Phase, RLJobSpec
+from lockstep.api import Phase, RLJobSpec, UpdateMode
 from lockstep.conditions import READY
 from lockstep.parity import EffectiveConfig
 from lockstep.protocol import Weights
@@ -54,6 +54,7 @@ def step(
         on_timeout=spec.weight_sync.on_timeout,
         sender=rank0_name if collective else None,
         ranks_per_member=ranks,
+        rolling=spec.weight_sync.mode is UpdateMode.ROLLING,
     )
     status.barrier = decision.barrier
     if decision.barrier is not None:
