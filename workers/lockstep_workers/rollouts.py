@@ -276,15 +276,14 @@ class ActorService:
         _run(wait)
 
     def wait_for_version(self, version: int) -> None:
-        """The first listed actor that answers speaks for all: the barrier resumes no actor before every one has
-        loaded. A barrier that never ends is the operator's to fail (spec.weightSync.barrierTimeoutSeconds), which
-        deletes this pod."""
+        """The oldest version among the listed actors that answer counts: in a rolling update
+        (spec.weightSync.mode Rolling) each actor resumes on its own. A barrier that never ends is the operator's
+        to fail (spec.weightSync.barrierTimeoutSeconds), which deletes this pod."""
 
         async def served(session: aiohttp.ClientSession) -> int:
-            for url in sorted(u for u, ready in self.discovery.endpoints().items() if ready):
-                if (answer := await ready_version(session, url)) is not None:
-                    return answer
-            return -1
+            urls = sorted(u for u, ready in self.discovery.endpoints().items() if ready)
+            answers = [a for a in await asyncio.gather(*(ready_version(session, u) for u in urls)) if a is not None]
+            return min(answers, default=-1)
 
         async def wait(session: aiohttp.ClientSession) -> None:
             logged = time.monotonic()

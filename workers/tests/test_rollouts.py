@@ -14,7 +14,14 @@ from aiohttp import web
 
 from lockstep_workers import rollouts
 from lockstep_workers.episodes import Client, Episode, Generation, episode_rollout
-from lockstep_workers.rollouts import ActorPool, FixedActors, RolloutError, actor_endpoints, collect_rollouts
+from lockstep_workers.rollouts import (
+    ActorPool,
+    ActorService,
+    FixedActors,
+    RolloutError,
+    actor_endpoints,
+    collect_rollouts,
+)
 
 SAMPLING = {"max_tokens": 3}
 
@@ -28,6 +35,7 @@ class FakeActor:
     version: int = 0
     served: int = 0
     received: int = 0
+    asked_ready: int = 0
     runner: web.AppRunner | None = None
     url: str = ""
     in_flight: list[asyncio.Event] = field(default_factory=list)
@@ -50,6 +58,7 @@ class FakeActor:
         )
 
     async def ready(self, _: web.Request) -> web.Response:
+        self.asked_ready += 1
         if self.behaviour == "hang":
             await asyncio.sleep(60)
         return web.json_response({"version": self.version}, status=503 if self.behaviour == "fail" else 200)
@@ -167,6 +176,26 @@ def test_an_actor_lost_mid_step_costs_retries_and_returns_once_ready() -> None:
         assert not pool.failed and reborn.served == 8, "back in the pool once its /ready answered"
         await reborn.stop()
         await survivor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_trainer_waits_for_the_oldest_actor_to_serve_a_version() -> None:
+    """In a rolling update one actor may serve the new version while another still serves the old one."""
+
+    async def scenario() -> None:
+        first, second = sorted([await FakeActor().start(), await FakeActor().start()], key=lambda a: a.url)
+        first.version, second.version = 2, 1  # the first listed already serves version 2
+        waiting = asyncio.create_task(
+            asyncio.to_thread(ActorService(FixedActors([first.url, second.url])).wait_for_version, 2)
+        )
+        while second.asked_ready < 2 and not waiting.done():  # it saw version 1 on the second actor, asked again
+            await asyncio.sleep(0.01)
+        assert not waiting.done(), "it returned while an actor still served version 1"
+        second.version = 2
+        await asyncio.wait_for(waiting, timeout=30)
+        await first.stop()
+        await second.stop()
 
     asyncio.run(scenario())
 
