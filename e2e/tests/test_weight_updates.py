@@ -75,25 +75,66 @@ def test_actor_deleted_mid_barrier_leaves_it_and_its_replacement_catches_up(
 ) -> None:
     actors = running_job(kube, namespace, "shrink", 2)
     core = client.CoreV1Api(kube)
+    lost = core.read_namespaced_pod(actors[1], namespace).metadata.uid
     with running_agents(kube, namespace, actors[:1]):
         announce_weights(kube, namespace, "shrink", 1)
         wait_for(lambda: get_job(kube, namespace, "shrink")["status"].get("barrier"), "the barrier to open")
         core.delete_namespaced_pod(actors[1], namespace)  # it never acked; now it is gone
         wait_for(lambda: weights_version(kube, namespace, "shrink") == 1, "the barrier to finish without it")
+        replacement_catches_up(kube, namespace, "shrink", actors[1], lost)
 
-        def replaced() -> bool:
-            pods = core.list_namespaced_pod(namespace, field_selector=f"metadata.name={actors[1]}").items
-            return bool(pods) and pods[0].status.phase == "Running"
 
-        wait_for(replaced, "the deleted actor to be recreated", timeout=90)
-        # Recreated after the barrier closed, it starts from the committed weights; recreated while it was
-        # still open (nothing committed yet), it catches up in a barrier of its own.
-        initial = core.read_namespaced_pod(actors[1], namespace).metadata.annotations.get(keys.INITIAL_WEIGHTS)
-        expected = ["stage 1", "swap 1"] if initial else ["stage 1", "pause", "swap 1", "resume"]
-        with running_agents(kube, namespace, actors[1:]) as late:
-            wait_for(lambda: late[actors[1]].calls == expected, f"the replacement to reach version 1 by {expected}")
-            wait_for(lambda: "barrier" not in get_job(kube, namespace, "shrink")["status"], "no barrier open")
-    history = get_job(kube, namespace, "shrink")["status"]["barrierHistory"]
+KILLED = {
+    "status": {
+        "phase": "Failed",
+        "containerStatuses": [{"name": keys.ACTOR, "state": {"terminated": {"exitCode": 137, "reason": "Error"}}}],
+    }
+}
+"""What the kubelet reports of an actor pod whose process was killed by SIGKILL (restartPolicy Never)."""
+
+
+@pytest.mark.parametrize("step", ["stage", "swap"])
+def test_an_actor_killed_while_it_stages_or_swaps_is_replaced_on_the_newest_weights(
+    kube: client.ApiClient, namespace: str, step: str
+) -> None:
+    """kill -9 of an actor's process mid-step (its agent stops there and never acks; restartPolicy Never, so the
+    kubelet reports the pod Failed): the barrier finishes without it, the other member resumes, and the pod's
+    replacement comes to the newest weights."""
+    actors = running_job(kube, namespace, "killed", 2)
+    core = client.CoreV1Api(kube)
+    lost = core.read_namespaced_pod(actors[1], namespace).metadata.uid
+    with running_agents(kube, namespace, actors) as engines:
+        victim = engines[actors[1]]
+        victim.gates[step].clear()
+        announce_weights(kube, namespace, "killed", 1)
+        wait_for(lambda: victim.waiting == step, f"{actors[1]} to {step} version 1")
+        victim.kill()
+        core.patch_namespaced_pod_status(actors[1], namespace, KILLED)
+        wait_for(lambda: weights_version(kube, namespace, "killed") == 1, "the barrier to finish without it")
+        assert engines[actors[0]].calls == ["stage 1", "pause", "swap 1", "resume"], "the other member resumed"
+        assert victim.calls == ([] if step == "stage" else ["stage 1", "pause"])
+        replacement_catches_up(kube, namespace, "killed", actors[1], lost)
+    assert get_job(kube, namespace, "killed")["status"]["restarts"] == 1, "the kill counts against maxRestarts"
+
+
+def replacement_catches_up(kube: client.ApiClient, namespace: str, job: str, pod: str, lost: str) -> None:
+    """Once barrier 1 finished without ``pod`` (pod UID ``lost``), its replacement comes to version 1, and no
+    barrier stays open."""
+    core = client.CoreV1Api(kube)
+
+    def replaced() -> bool:
+        pods = core.list_namespaced_pod(namespace, field_selector=f"metadata.name={pod}").items
+        return bool(pods) and pods[0].metadata.uid != lost and pods[0].status.phase == "Running"
+
+    wait_for(replaced, f"{pod} to be recreated", timeout=90)
+    # Recreated after the barrier closed, it starts from the committed weights; recreated while it was still open
+    # (nothing committed yet), it catches up in a barrier of its own.
+    initial = core.read_namespaced_pod(pod, namespace).metadata.annotations.get(keys.INITIAL_WEIGHTS)
+    expected = ["stage 1", "swap 1"] if initial else ["stage 1", "pause", "swap 1", "resume"]
+    with running_agents(kube, namespace, [pod]) as late:
+        wait_for(lambda: late[pod].calls == expected, f"the replacement to reach version 1 by {expected}")
+        wait_for(lambda: "barrier" not in get_job(kube, namespace, job)["status"], "no barrier open")
+    history = get_job(kube, namespace, job)["status"]["barrierHistory"]
     barriers = [(1, 1)] if initial else [(1, 1), (1, 1)]  # (version, members): the update, then the catch-up
     assert [(r["version"], r["members"]) for r in history] == barriers
 

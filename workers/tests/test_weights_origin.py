@@ -172,6 +172,30 @@ def test_the_agent_acks_a_refused_uri_as_an_error_and_loads_nothing(
     assert llm.calls == ["pause", f"lockstep_reload {genuine.digest}"]
 
 
+def test_a_file_changed_after_its_announcement_is_an_error_ack_before_any_pause(
+    shared: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Staging reads and hashes the file while the actor still generates: bytes that are not the announced ones
+    are this member's error ack (DigestMismatch), before it pauses and with nothing loaded; the operator's retry,
+    once the file holds the announced bytes again, loads them."""
+    llm = RecordingLLM()
+    agent = AgentCore(LoopEngine(Actor(llm), loop, WeightsDirectory(shared / "weights")))
+    announced = publish(TENSORS, shared / "weights", version=2)
+    path = local_path(announced)
+    genuine = path.read_bytes()
+    path.write_bytes(genuine[:-1] + bytes([genuine[-1] ^ 1]))  # one bit of the last tensor flipped, in place
+
+    update = Command(id="job/2/1", version=2, uri=announced.uri, digest=announced.digest, phase=BarrierPhase.UPDATE)
+    ack = agent.handle(update)
+    assert ack.error is not None and "DigestMismatch" in ack.error and announced.digest in ack.error
+    assert ack.loaded_version is None and llm.calls == [] and not agent.paused, "never paused, nothing loaded"
+
+    path.write_bytes(genuine)
+    ack = agent.handle(update.model_copy(update={"retry": 1}))
+    assert ack.error is None and ack.loaded_version == 2 and ack.retry == 1
+    assert llm.calls == ["pause", f"lockstep_reload {announced.digest}"]
+
+
 def test_a_published_version_stays_while_a_new_actor_may_still_start_from_it(tmp_path: Path) -> None:
     """A version goes only once it is neither among the newest ``keep`` nor younger than RETAIN_SECONDS (a new
     actor reads the version committed when its pod was created, after its pod started)."""
