@@ -10,7 +10,7 @@ from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import READY
 from lockstep.parity import EffectiveConfig
 from lockstep.protocol import Weights
-from lockstep.reconcile import budget, completion
+from lockstep.reconcile import budget, completion, memory
 from lockstep.reconcile.children import Children
 from lockstep.reconcile.context import Next, Pass, annotation, pod_phase, role
 from lockstep.reconcile.reasons import Reason
@@ -31,7 +31,8 @@ def step(
 ) -> Next:
     """Advance the barrier over ``live`` (the pods that stay); DONE when it failed the job. With a collective
     backend trainer rank 0 is a member too: it sends the weights, and each actor takes ``ranks`` ranks of the
-    transfer group. While ``updates`` are held, an open barrier goes on and no new one opens."""
+    transfer group. While ``updates`` are held, or the actors cannot stage the announced version in their memory
+    (lockstep.reconcile.memory), an open barrier goes on and no new one opens for it."""
     rank0_name = desired.rank0_name(run.job.name)
     collective = spec.weight_sync.backend.collective
     members = {
@@ -41,12 +42,15 @@ def step(
     }
     rank0 = live.get(rank0_name)
     announced = _announcement(run, rank0, collective) if rank0 is not None else None
+    actors = {name: live[name] for name in members if role(live[name]) == keys.ACTOR}
+    fits = memory.fits(run, announced, actors)
     status = run.status
     decision = barrier.step(
         job_uid=run.job.uid,
         barrier=status.barrier,
         committed=status.weights,
-        announced=None if updates is budget.Updates.HELD else announced,  # the open barrier goes on, no new one
+        # Held, or too large to stage: the open barrier goes on, and no new one opens.
+        announced=announced if updates is budget.Updates.ALLOWED and fits else None,
         members=list(members.values()),
         history=status.barrier_history,
         now=run.observed.now,
@@ -61,8 +65,8 @@ def step(
     status.weights = decision.committed
     status.weights_version = decision.committed.version if decision.committed else None
     status.barrier_history = barrier.remember(status.barrier_history, decision.record)
-    actors = [m.loaded_version or 0 for name, m in members.items() if role(live[name]) == keys.ACTOR]
-    status.lag = announced.version - min(actors) if announced is not None and actors else None
+    loaded = [member.loaded_version or 0 for name, member in members.items() if name in actors]
+    status.lag = announced.version - min(loaded) if announced is not None and loaded else None
     for note in decision.notes:
         run.event(Reason.WEIGHT_UPDATE, note)
     for name, command in decision.commands.items():
