@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lockstep.api import PodOverrides
 from lockstep.protocol import PROTOCOL, Weights, read_document
 from lockstep.reconcile.memory import limit_problem, size
 
@@ -14,20 +15,25 @@ def weights(size_bytes: int | None, version: int = 3) -> Weights:
     return Weights(version=version, uri=f"file:///w/v{version}", digest="sha256:0", bytes=size_bytes)
 
 
+def actors(resources: dict[str, object]) -> PodOverrides:
+    """spec.actors with these resources."""
+    return PodOverrides.model_validate({"resources": resources})
+
+
 def test_a_cpu_actor_must_hold_the_model_and_the_staged_copy() -> None:
-    problem = limit_problem({"limits": {"memory": "1Gi"}}, weights(GB))
+    problem = limit_problem(actors({"limits": {"memory": "1Gi"}}), weights(GB))
     assert problem == (
         "actor memory limit 1Gi cannot hold weights version 3 (0.93 GiB) twice: staging needs the model and one "
         "staged copy in host memory, at least 1.87 GiB; raise spec.actors.resources.limits.memory"
     ), "the size needed is rounded up: a bound"
-    assert limit_problem({"limits": {"memory": "2Gi"}}, weights(GB)) is None
+    assert limit_problem(actors({"limits": {"memory": "2Gi"}}), weights(GB)) is None
 
 
 def test_a_gpu_actor_holds_one_copy_in_host_memory() -> None:
-    gpu = {"limits": {"memory": "1Gi", "nvidia.com/gpu": 1}}
-    assert limit_problem(gpu, weights(GB)) is None, "the model itself is in GPU memory"
-    requested = {"limits": {"memory": "512Mi"}, "requests": {"nvidia.com/gpu": "1"}}
-    assert limit_problem(requested, weights(GB)) == (
+    gpu: dict[str, object] = {"limits": {"memory": "1Gi", "nvidia.com/gpu": 1}}
+    assert limit_problem(actors(gpu), weights(GB)) is None, "the model itself is in GPU memory"
+    requested: dict[str, object] = {"limits": {"memory": "512Mi"}, "requests": {"nvidia.com/gpu": "1"}}
+    assert limit_problem(actors(requested), weights(GB)) == (
         "actor memory limit 512Mi cannot hold weights version 3 (0.93 GiB) in host memory: staging needs one copy "
         "there (the model is in GPU memory), at least 0.94 GiB; raise spec.actors.resources.limits.memory"
     )
@@ -48,14 +54,14 @@ def test_a_gpu_actor_holds_one_copy_in_host_memory() -> None:
     ],
 )
 def test_kubernetes_quantities(limit: str, size_bytes: int, fits: bool) -> None:
-    assert (limit_problem({"limits": {"memory": limit}}, weights(size_bytes)) is None) is fits
+    assert (limit_problem(actors({"limits": {"memory": limit}}), weights(size_bytes)) is None) is fits
 
 
 def test_nothing_to_check_without_a_limit_or_a_size() -> None:
-    assert limit_problem({}, weights(100 * GB)) is None
-    assert limit_problem({"requests": {"memory": "1Gi"}}, weights(100 * GB)) is None, "a request bounds nothing"
-    assert limit_problem({"limits": {"cpu": "4"}}, weights(100 * GB)) is None
-    assert limit_problem({"limits": {"memory": "1Mi"}}, weights(None)) is None, "a trainer that predates sizes"
+    assert limit_problem(actors({}), weights(100 * GB)) is None
+    assert limit_problem(actors({"requests": {"memory": "1Gi"}}), weights(100 * GB)) is None, "a request bounds nothing"
+    assert limit_problem(actors({"limits": {"cpu": "4"}}), weights(100 * GB)) is None
+    assert limit_problem(actors({"limits": {"memory": "1Mi"}}), weights(None)) is None, "a trainer that predates sizes"
 
 
 def test_sizes_read_in_gib_or_below_a_tenth_of_one_in_mib() -> None:

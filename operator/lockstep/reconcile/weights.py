@@ -42,8 +42,7 @@ def step(
     }
     rank0 = live.get(rank0_name)
     announced = _announcement(run, rank0, collective) if rank0 is not None else None
-    actors = {name: live[name] for name in members if role(live[name]) == keys.ACTOR}
-    fits = memory.fits(run, announced, actors)
+    fits = memory.fits(run, spec, announced)
     status = run.status
     decision = barrier.step(
         job_uid=run.job.uid,
@@ -65,8 +64,8 @@ def step(
     status.weights = decision.committed
     status.weights_version = decision.committed.version if decision.committed else None
     status.barrier_history = barrier.remember(status.barrier_history, decision.record)
-    loaded = [member.loaded_version or 0 for name, member in members.items() if name in actors]
-    status.lag = announced.version - min(loaded) if announced is not None and loaded else None
+    actors = [m.loaded_version or 0 for name, m in members.items() if role(live[name]) == keys.ACTOR]
+    status.lag = announced.version - min(actors) if announced is not None and actors else None
     for note in decision.notes:
         run.event(Reason.WEIGHT_UPDATE, note)
     for name, command in decision.commands.items():
