@@ -6,7 +6,7 @@ import pytest
 
 from lockstep.api import PodOverrides
 from lockstep.protocol import PROTOCOL, Weights, read_document
-from lockstep.reconcile.memory import limit_problem, size
+from lockstep.reconcile.memory import size, staging_fit
 
 GB = 10**9
 
@@ -21,21 +21,28 @@ def actors(resources: dict[str, object]) -> PodOverrides:
 
 
 def test_a_cpu_actor_must_hold_the_model_and_the_staged_copy() -> None:
-    problem = limit_problem(actors({"limits": {"memory": "1Gi"}}), weights(GB))
-    assert problem == (
+    assert staging_fit(actors({"limits": {"memory": "1Gi"}}), weights(GB)) == (
+        False,
         "actor memory limit 1Gi cannot hold weights version 3 (0.93 GiB) twice: staging needs the model and one "
-        "staged copy in host memory, at least 1.87 GiB; raise spec.actors.resources.limits.memory"
+        "staged copy in host memory, at least 1.87 GiB; raise spec.actors.resources.limits.memory",
     ), "the size needed is rounded up: a bound"
-    assert limit_problem(actors({"limits": {"memory": "2Gi"}}), weights(GB)) is None
+    assert staging_fit(actors({"limits": {"memory": "2Gi"}}), weights(GB)) == (
+        True,
+        "actor memory limit 2Gi holds weights version 3 (0.93 GiB) while an actor stages it (at least 1.87 GiB)",
+    )
 
 
 def test_a_gpu_actor_holds_one_copy_in_host_memory() -> None:
     gpu: dict[str, object] = {"limits": {"memory": "1Gi", "nvidia.com/gpu": 1}}
-    assert limit_problem(actors(gpu), weights(GB)) is None, "the model itself is in GPU memory"
+    assert staging_fit(actors(gpu), weights(GB)) == (
+        True,
+        "actor memory limit 1Gi holds weights version 3 (0.93 GiB) while an actor stages it (at least 0.94 GiB)",
+    ), "the model itself is in GPU memory"
     requested: dict[str, object] = {"limits": {"memory": "512Mi"}, "requests": {"nvidia.com/gpu": "1"}}
-    assert limit_problem(actors(requested), weights(GB)) == (
+    assert staging_fit(actors(requested), weights(GB)) == (
+        False,
         "actor memory limit 512Mi cannot hold weights version 3 (0.93 GiB) in host memory: staging needs one copy "
-        "there (the model is in GPU memory), at least 0.94 GiB; raise spec.actors.resources.limits.memory"
+        "there (the model is in GPU memory), at least 0.94 GiB; raise spec.actors.resources.limits.memory",
     )
 
 
@@ -47,6 +54,7 @@ def test_a_gpu_actor_holds_one_copy_in_host_memory() -> None:
         ("1G", 5 * 10**8, True),
         ("1G", 5 * 10**8 + 1, False),
         ("512Mi", 256 << 20, True),
+        ("512Mi", (256 << 20) + 1, False),
         ("1073741824", 1 << 29, True),
         ("0.5Gi", 1 << 28, True),
         ("1e9", 5 * 10**8 + 1, False),
@@ -54,14 +62,15 @@ def test_a_gpu_actor_holds_one_copy_in_host_memory() -> None:
     ],
 )
 def test_kubernetes_quantities(limit: str, size_bytes: int, fits: bool) -> None:
-    assert (limit_problem(actors({"limits": {"memory": limit}}), weights(size_bytes)) is None) is fits
+    fit = staging_fit(actors({"limits": {"memory": limit}}), weights(size_bytes))
+    assert fit is not None and fit[0] is fits
 
 
-def test_nothing_to_check_without_a_limit_or_a_size() -> None:
-    assert limit_problem(actors({}), weights(100 * GB)) is None
-    assert limit_problem(actors({"requests": {"memory": "1Gi"}}), weights(100 * GB)) is None, "a request bounds nothing"
-    assert limit_problem(actors({"limits": {"cpu": "4"}}), weights(100 * GB)) is None
-    assert limit_problem(actors({"limits": {"memory": "1Mi"}}), weights(None)) is None, "a trainer that predates sizes"
+def test_nothing_bounds_staging_without_a_limit_and_nothing_is_checked_without_a_size() -> None:
+    unbounded = "the actors set no memory limit (spec.actors.resources.limits.memory): nothing bounds staging"
+    for resources in ({}, {"requests": {"memory": "1Gi"}}, {"limits": {"cpu": "4"}}):
+        assert staging_fit(actors(resources), weights(100 * GB)) == (True, f"{unbounded} weights version 3 (93.13 GiB)")
+    assert staging_fit(actors({"limits": {"memory": "1Mi"}}), weights(None)) is None, "a trainer predating sizes"
 
 
 def test_sizes_read_in_gib_or_below_a_tenth_of_one_in_mib() -> None:

@@ -30,25 +30,26 @@ def copies_while_staging(actors: PodOverrides) -> int:
     return 1 if desired.requests_gpu(actors) else 2
 
 
-def limit_problem(actors: PodOverrides, weights: Weights) -> str | None:
-    """Why actors rendered from ``actors`` (spec.actors) cannot stage ``weights``, in words for the condition;
-    None when they can, when they set no memory limit, or when the version's size is unknown."""
-    limit = ((actors.resources.limits if actors.resources else None) or {}).get("memory")
-    if limit is None or weights.bytes is None:
+def staging_fit(actors: PodOverrides, weights: Weights) -> tuple[bool, str] | None:
+    """Whether actors rendered from ``actors`` (spec.actors) can stage ``weights`` in their memory limit, and
+    why, in words for WeightsFitMemory; None when the version's size is unknown (nothing to check)."""
+    if weights.bytes is None:
         return None
+    version = f"weights version {weights.version} ({size(weights.bytes)})"
+    limit = ((actors.resources.limits if actors.resources else None) or {}).get("memory")
+    if limit is None:
+        return True, f"the actors set no memory limit ({LIMIT_FIELD}): nothing bounds staging {version}"
     copies = copies_while_staging(actors)
     needed = copies * weights.bytes
+    at_least = size(needed, round_up=True)
     if parse_quantity(limit) >= needed:
-        return None
+        return True, f"actor memory limit {limit} holds {version} while an actor stages it (at least {at_least})"
     held = (
         "twice: staging needs the model and one staged copy in host memory"
         if copies == 2
         else "in host memory: staging needs one copy there (the model is in GPU memory)"
     )
-    return (
-        f"actor memory limit {limit} cannot hold weights version {weights.version} ({size(weights.bytes)}) {held}, "
-        f"at least {size(needed, round_up=True)}; raise {LIMIT_FIELD}"
-    )
+    return False, f"actor memory limit {limit} cannot hold {version} {held}, at least {at_least}; raise {LIMIT_FIELD}"
 
 
 def size(count: int, *, round_up: bool = False) -> str:
@@ -62,18 +63,13 @@ def fits(run: Pass, spec: RLJobSpec, weights: Weights | None) -> bool:
     """Whether a barrier may open for ``weights``: the job's actors can stage the version in their memory limit.
     Once a version of known size is announced, WeightsFitMemory says so (False names the limit and the size
     needed; its transition is a Warning Event)."""
-    if weights is None or weights.bytes is None:
+    fit = None if weights is None else staging_fit(spec.actors, weights)
+    if weights is None or fit is None:
         return True
-    problem = limit_problem(spec.actors, weights)
-    if problem is not None:
+    ok, why = fit
+    if ok:
+        run.condition(WEIGHTS_FIT_MEMORY, True, Reason.WITHIN_MEMORY_LIMIT, why)
+    else:
         waits = f"; no barrier opens for version {weights.version} until then (its announcement stays)"
-        run.condition(WEIGHTS_FIT_MEMORY, False, Reason.ACTOR_MEMORY_LIMIT_TOO_LOW, problem + waits)
-        return False
-    run.condition(
-        WEIGHTS_FIT_MEMORY,
-        True,
-        Reason.WITHIN_MEMORY_LIMIT,
-        f"the actors' memory limit (or none) holds weights version {weights.version} ({size(weights.bytes)}) and "
-        "the copy each stages",
-    )
-    return True
+        run.condition(WEIGHTS_FIT_MEMORY, False, Reason.ACTOR_MEMORY_LIMIT_TOO_LOW, why + waits)
+    return ok
