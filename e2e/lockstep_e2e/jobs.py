@@ -101,11 +101,13 @@ def events_for(kube: client.ApiClient, namespace: str, name: str) -> list[client
     return events
 
 
-def announce_weights(kube: client.ApiClient, namespace: str, job: str, version: int) -> None:
+def announce_weights(kube: client.ApiClient, namespace: str, job: str, version: int, size: int | None = None) -> None:
     """What the trainer does after publishing weights: annotate its own pod (with a token bound to it), naming a
-    file in the job's directory on its weights volume."""
+    file in the job's directory on its weights volume (and, with ``size``, the version's size in bytes)."""
     uri = f"file:///var/lib/lockstep/{get_job(kube, namespace, job)['metadata']['uid']}/weights/v{version}.safetensors"
-    weights = {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
+    weights: dict[str, Any] = {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
+    if size is not None:
+        weights["bytes"] = size
     trainer = f"{job}-trainer-0"
     client.CoreV1Api(pod_client(kube, namespace, trainer)).patch_namespaced_pod(
         trainer, namespace, {"metadata": {"annotations": {keys.WEIGHTS: json.dumps(weights)}}}

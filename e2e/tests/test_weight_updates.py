@@ -16,7 +16,7 @@ from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component
 from lockstep_e2e.fixtures import running_job, wait_for, weights_version
 from lockstep_e2e.install import pod_client
-from lockstep_e2e.jobs import announce_weights, create_job, events_for, get_job, phase, rljob
+from lockstep_e2e.jobs import announce_weights, condition, create_job, events_for, get_job, patch_job, phase, rljob
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
@@ -162,6 +162,46 @@ def test_a_silent_actor_is_evicted_and_the_update_goes_on(kube: client.ApiClient
     record = get_job(kube, namespace, "evict")["status"]["barrierHistory"][-1]
     assert record["evicted"] == ["evict-actor-1"] and record["outcome"] == "Completed"
     assert any("evicted from barrier" in e.message for e in events_for(kube, namespace, "evict"))
+
+
+def test_weights_the_actors_memory_limit_cannot_stage_wait_with_a_condition_until_it_is_raised(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    body = rljob("roomy", actors=1)
+    body["spec"]["actors"]["resources"] = {"limits": {"memory": "1Gi"}}
+    create_job(kube, namespace, body)
+    wait_for(lambda: phase(get_job(kube, namespace, "roomy")) == "Running", "RLJob roomy to run")
+    announce_weights(kube, namespace, "roomy", 1, size=10**9)
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "roomy"), "WeightsFitMemory").get("status") == "False",
+        "WeightsFitMemory=False",
+    )
+    status = get_job(kube, namespace, "roomy")["status"]
+    fit = condition({"status": status}, "WeightsFitMemory")
+    assert fit["reason"] == "ActorMemoryLimitTooLow"
+    assert fit["message"].startswith(
+        "actor memory limit 1Gi cannot hold weights version 1 (0.93 GiB) twice: staging needs the model and one "
+        "staged copy in host memory, at least 1.87 GiB; raise spec.actors.resources.limits.memory"
+    )
+    assert "barrier" not in status and not status.get("barrierHistory"), "no barrier opened"
+
+    def warned() -> list[client.CoreV1Event]:
+        return [e for e in events_for(kube, namespace, "roomy") if e.reason == "ActorMemoryLimitTooLow"]
+
+    wait_for(warned, "a Warning Event")  # written after the status
+    assert [(e.type, e.count) for e in warned()] == [("Warning", 1)] and fit["message"] in warned()[0].message
+
+    old_uid = client.CoreV1Api(kube).read_namespaced_pod("roomy-actor-0", namespace).metadata.uid
+    patch_job(kube, namespace, "roomy", {"spec": {"actors": {"resources": {"limits": {"memory": "2Gi"}}}}})
+
+    def replaced() -> bool:
+        pods = client.CoreV1Api(kube).list_namespaced_pod(namespace, field_selector="metadata.name=roomy-actor-0")
+        return any(p.metadata.uid != old_uid and p.status.phase == "Running" for p in pods.items)
+
+    wait_for(replaced, "the actor to be replaced with the raised limit", timeout=90)
+    with running_agents(kube, namespace, ["roomy-actor-0"]):
+        wait_for(lambda: weights_version(kube, namespace, "roomy") == 1, "the announced version, once it fits")
+    assert condition(get_job(kube, namespace, "roomy"), "WeightsFitMemory")["reason"] == "WithinMemoryLimit"
 
 
 def test_unreadable_and_stale_acks_are_ignored(kube: client.ApiClient, namespace: str) -> None:

@@ -736,6 +736,7 @@ class BarrierStatus(Model):
     version: int = Field(description="the weights version being loaded")
     uri: str = Field(description="where the weights are (a directory on the shared volume, or a manifest URL)")
     digest: str = Field(description="sha256 of the weights, checked by every member")
+    bytes: int | None = Field(None, description="the version's size in bytes, as the trainer announced it")
     phase: BarrierPhase = Field(description="Pause, Update or Resume: what the members are asked to do now")
     members: dict[str, str] = Field(description="pod name → pod UID")
     sender: str | None = Field(
@@ -760,7 +761,7 @@ class BarrierStatus(Model):
     )
 
     def weights(self) -> Weights:
-        return Weights(version=self.version, uri=self.uri, digest=self.digest)
+        return Weights(version=self.version, uri=self.uri, digest=self.digest, bytes=self.bytes)
 
     def command(self, member: str) -> Command:
         """The command for ``member``: its rank in the transfer group, when it has one, in the Update phase."""

@@ -9,6 +9,7 @@ READY = "Ready"
 PARITY_LOCKED = "ParityLocked"
 PARITY_DEGRADED = "ParityDegraded"
 QUEUED = "Queued"  # Kueue: True while the job waits for admission
+WEIGHTS_FIT_MEMORY = "WeightsFitMemory"  # False while the actors' memory limit cannot stage the announced weights
 # kstatus (Flux, kubectl wait, cli-utils) reads these two beside Ready.
 RECONCILING = "Reconciling"
 STALLED = "Stalled"

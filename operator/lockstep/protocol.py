@@ -33,6 +33,11 @@ class Weights(Model):
         description="where the weights are: a directory on the shared volume, or the trainer's manifest URL"
     )
     digest: Annotated[str, Field(min_length=1)] = Field(description="sha256:<hex> of the weights")
+    bytes: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="the size of the version in bytes (its safetensors file): what an actor holds in host memory "
+        "once more while it stages the version; unset by trainers that predate it (nothing is checked then)",
+    )
 
 
 class TransferGroup(Model):

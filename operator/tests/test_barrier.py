@@ -11,7 +11,7 @@ from lockstep.api import BarrierOutcome, BarrierStatus, TimeoutAction
 from lockstep.barrier import MEMBER_RETRIES, Decision, Member, interrupt, step
 from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights
 
-V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1")
+V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1", bytes=4096)
 V2 = Weights(version=2, uri="file:///w/v2", digest="sha256:2")
 
 
@@ -72,7 +72,7 @@ def test_phases_advance_only_when_every_member_acked_and_history_names_the_slowe
     assert updated.barrier is not None and updated.barrier.phase is BarrierPhase.RESUME
     assert updated.committed is None, "weights count as committed only once every member resumed"
     done = run(updated.barrier, {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}, seconds=5, loaded=1)
-    assert done.barrier is None and done.committed == V1
+    assert done.barrier is None and done.committed == V1, "committed as announced, with its size"
     assert done.record is not None
     assert done.record.phase_seconds == {"Update": 3.0, "Resume": 2.0}
     assert done.record.slowest_pod == "b" and done.record.seconds == 5.0

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from factories import NOW, REWARD, job, policy, running
 from lockstep import keys
 from lockstep.api import Phase
-from lockstep.conditions import PARITY_LOCKED, READY, find
-from lockstep.events import PassScope
+from lockstep.conditions import PARITY_LOCKED, READY, WEIGHTS_FIT_MEMORY, find
+from lockstep.events import PassScope, slim
 from lockstep.protocol import ACK_FOR, PROTOCOL, BarrierPhase
 from lockstep.reconcile import Observed, Plan, reconcile, restart_backoff_seconds
 
@@ -391,15 +391,15 @@ def test_plans_are_consistent_whatever_the_pods_look_like(
     assert ready is not None and ready.message, "every outcome explains itself"
 
 
-def announce(trainer: dict[str, Any], version: int, uri: str | None = None) -> None:
-    """What trainer rank 0 writes: by default weights where its backend publishes them (factories.job's uid)."""
+def announce(trainer: dict[str, Any], version: int, uri: str | None = None, size: int | None = None) -> None:
+    """What trainer rank 0 writes: by default weights where its backend publishes them (factories.job's uid);
+    ``size``: the version's size in bytes, when given."""
     env = {e["name"]: e.get("value") for e in trainer["spec"]["containers"][0]["env"]}
     if uri is None and env["LOCKSTEP_WEIGHT_SYNC"] == "filesystem":
         uri = f"file:///var/lib/lockstep/uid-1/weights/v{version}.safetensors"
     uri = uri or f"http://{env['LOCKSTEP_WEIGHTS_HOST']}:9500/weights/{version}"
-    trainer["metadata"]["annotations"][keys.WEIGHTS] = json.dumps(
-        {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
-    )
+    weights = {"protocol": PROTOCOL, "version": version, "uri": uri, "digest": f"sha256:{version}"}
+    trainer["metadata"]["annotations"][keys.WEIGHTS] = json.dumps(weights | ({"bytes": size} if size else {}))
 
 
 def carry_barrier(
@@ -583,6 +583,39 @@ def test_an_open_barrier_ends_by_its_deadline_while_no_policy_resolves() -> None
     assert set(stuck.delete_pods) >= {"demo-actor-0", "demo-actor-1"}, "no actor is left paused"
     early = plan_for(body, paused, now=NOW + dt.timedelta(seconds=10), policies=[])
     assert early.status.barrier is not None and early.requeue_after is not None, "woken again at the deadline"
+
+
+def test_weights_the_actors_cannot_stage_wait_announced_until_a_raised_memory_limit_holds_them() -> None:
+    small = {"image": "lockstep/actor:dev", "replicas": 2, "resources": {"limits": {"memory": "1Gi"}}}
+    body, pods = settle(job(actors=small))
+    announce(pods[2], 3, size=10**9)
+    pods = [slim(p) for p in pods]  # as the shell's pod cache holds them: no spec
+    held = plan_for(body, pods)
+    assert held.status.barrier is None and not held.annotate_pods, "no barrier opens"
+    assert condition(held, WEIGHTS_FIT_MEMORY) == ("False", "ActorMemoryLimitTooLow")
+    fit = find(held.status.conditions, WEIGHTS_FIT_MEMORY)
+    assert fit is not None and fit.message == (
+        "actor memory limit 1Gi cannot hold weights version 3 (0.93 GiB) twice: staging needs the model and one "
+        "staged copy in host memory, at least 1.87 GiB; raise spec.actors.resources.limits.memory; no barrier "
+        "opens for version 3 until then (its announcement stays)"
+    )
+    [warning] = [e for e in held.events if e.reason == "ActorMemoryLimitTooLow"]
+    assert warning.type == "Warning" and fit.message in warning.message
+    body = {**body, "status": status_of(held)}
+    again = plan_for(body, pods)
+    assert again.status.barrier is None and again.status.lag == 3, "the announcement stays"
+    assert not [e for e in again.events if e.reason == "ActorMemoryLimitTooLow"], "said once, not on every pass"
+
+    raised = {**small, "resources": {"limits": {"memory": "2Gi"}}}
+    body = {**body, "status": status_of(again), "spec": {**body["spec"], "actors": raised}}
+    replacing = plan_for(body, pods)
+    assert set(replacing.delete_pods) == {"demo-actor-0", "demo-actor-1"} and replacing.status.barrier is None
+    body = {**body, "status": status_of(replacing)}
+    recreated = plan_for(body, pods[2:])
+    actors = [slim(running(p)) for p in recreated.create_pods]
+    opened = plan_for({**body, "status": status_of(recreated)}, [*actors, pods[2]])
+    assert opened.status.barrier is not None and opened.status.barrier.version == 3, "the same announcement"
+    assert condition(opened, WEIGHTS_FIT_MEMORY) == ("True", "WithinMemoryLimit")
 
 
 def test_an_announcement_older_than_the_committed_weights_is_refused_once() -> None:

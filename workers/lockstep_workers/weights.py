@@ -164,10 +164,10 @@ job had committed when its pod was created, and reads it only once its pod has s
 
 
 def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int = 3) -> Weights:
-    """Write ``tensors`` as weights version ``version``; return what to announce. The file is hashed as it is
-    written, and on disk (file and directory flushed) under its final name before this returns: a crash leaves
-    either the whole version or none under that name. Older versions go once they are neither among the ``keep``
-    newest nor younger than RETAIN_SECONDS."""
+    """Write ``tensors`` as weights version ``version``; return what to announce (its file, digest and size).
+    The file is hashed as it is written, and on disk (file and directory flushed) under its final name before this
+    returns: a crash leaves either the whole version or none under that name. Older versions go once they are
+    neither among the ``keep`` newest nor younger than RETAIN_SECONDS."""
     directory.mkdir(parents=True, exist_ok=True)
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
@@ -181,7 +181,7 @@ def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, 
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
         if old.stat().st_mtime < retained_since:
             old.unlink(missing_ok=True)
-    return Weights(version=version, uri=final.resolve().as_uri(), digest=digest)
+    return Weights(version=version, uri=final.resolve().as_uri(), digest=digest, bytes=final.stat().st_size)
 
 
 class Writable(Protocol):
@@ -300,9 +300,10 @@ class Publisher:
 
 
 def published(directory: Path, version: int) -> Weights:
-    """What announces weights version ``version``, published in ``directory``: its file and that file's digest."""
+    """What announces weights version ``version``, published in ``directory``: its file, that file's digest and
+    its size."""
     path = version_path(directory, version)
-    return Weights(version=version, uri=path.resolve().as_uri(), digest=digest_of(path))
+    return Weights(version=version, uri=path.resolve().as_uri(), digest=digest_of(path), bytes=path.stat().st_size)
 
 
 def version_path(directory: Path, version: int) -> Path:

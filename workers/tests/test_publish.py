@@ -50,6 +50,7 @@ def test_a_publish_hashes_what_it_writes_and_the_file_loads_exactly(
     path = local_path(announced)
     assert path == version_path(tmp_path, 4).resolve()
     assert announced.digest == f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
+    assert announced.bytes == path.stat().st_size, "the announcement carries the version's size"
     loaded = load_file(str(path))
     assert set(loaded) == set(tensors) - {"lm_head.weight"}
     for name, tensor in loaded.items():

@@ -250,6 +250,7 @@ def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_
     weights, checkpoints = tmp_path / "weights", tmp_path / "checkpoints"
     assert resumption(None, tmp_path / "nothing-published", checkpoints) == Resumption(1)
     committed = publish(model.state_dict(), weights, version=7)
+    assert announcement_of(weights, 7) == committed, "a resumed trainer announces a version as it was announced"
     announced = committed.model_copy(update={"uri": "http://trainer:9500/weights/7"})  # a collective backend's
     assert resumption(announced, weights, checkpoints) == Resumption(8, version_path(weights, 7)), "its own files"
     with pytest.raises(SystemExit, match=r"set spec\.weightSync\.volume so that a restarted trainer finds"):

@@ -36,6 +36,9 @@ class Reason(StrEnum):
     # ParityDegraded
     WITHIN_BUDGET = "WithinBudget"
     MISMATCH_BUDGET_EXCEEDED = "MismatchBudgetExceeded"
+    # WeightsFitMemory
+    WITHIN_MEMORY_LIMIT = "WithinMemoryLimit"
+    ACTOR_MEMORY_LIMIT_TOO_LOW = "ActorMemoryLimitTooLow"
     # Queued (Kueue's own reasons, such as Pending or Preempted, pass through as Kueue wrote them)
     ADMITTED = "Admitted"
     PRIORITY_CLASS_NOT_FOUND = "PriorityClassNotFound"

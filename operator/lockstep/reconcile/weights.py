@@ -10,7 +10,7 @@ from lockstep.api import Phase, RLJobSpec, UpdateMode
 from lockstep.conditions import READY
 from lockstep.parity import EffectiveConfig
 from lockstep.protocol import Weights
-from lockstep.reconcile import budget, completion
+from lockstep.reconcile import budget, completion, memory
 from lockstep.reconcile.children import Children
 from lockstep.reconcile.context import Next, Pass, annotation, pod_phase, role
 from lockstep.reconcile.reasons import Reason
@@ -31,7 +31,8 @@ def step(
 ) -> Next:
     """Advance the barrier over ``live`` (the pods that stay); DONE when it failed the job. With a collective
     backend trainer rank 0 is a member too: it sends the weights, and each actor takes ``ranks`` ranks of the
-    transfer group. While ``updates`` are held, an open barrier goes on and no new one opens."""
+    transfer group. While ``updates`` are held, or the actors cannot stage the announced version in their memory
+    (lockstep.reconcile.memory), an open barrier goes on and no new one opens for it."""
     rank0_name = desired.rank0_name(run.job.name)
     collective = spec.weight_sync.backend.collective
     members = {
@@ -41,12 +42,14 @@ def step(
     }
     rank0 = live.get(rank0_name)
     announced = _announcement(run, rank0, collective) if rank0 is not None else None
+    fits = memory.fits(run, spec, announced)
     status = run.status
     decision = barrier.step(
         job_uid=run.job.uid,
         barrier=status.barrier,
         committed=status.weights,
-        announced=None if updates is budget.Updates.HELD else announced,  # the open barrier goes on, no new one
+        # Held, or too large to stage: the open barrier goes on, and no new one opens.
+        announced=announced if updates is budget.Updates.ALLOWED and fits else None,
         members=list(members.values()),
         history=status.barrier_history,
         now=run.observed.now,
