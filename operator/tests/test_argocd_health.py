@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from lupa.lua51 import LuaRuntime
-from test_reconcile import plan_for, settle, status_of
 
 from factories import NOW, job, policy, running
 from lockstep import kueue
 from lockstep.reconcile import KueueView, Observed, reconcile
+from reconcile_helpers import plan_for, settle, status_of
 
 SCRIPT = Path(__file__).resolve().parents[2] / "charts" / "lockstep" / "argocd-health.lua"
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from test_reconcile import announce, carry_barrier, settle
 
 from factories import job, policy
 from lockstep import keys
 from lockstep.controller import Shell
 from lockstep.events import PassScope
+from reconcile_helpers import announce, carry_barrier, settle
 
 NAMESPACE, JOB = "team-a", "demo"
 
