@@ -38,7 +38,7 @@ def example_objects(example: Path) -> list[dict[str, Any]]:
     return [
         *pods,
         *desired.worker_access(job, [pod["metadata"]["name"] for pod in pods]),
-        desired.config_map(job, config),
+        desired.config_map(job, spec, config),
         *desired.services(job),
         desired.network_policy(job, spec),
     ]

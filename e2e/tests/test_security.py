@@ -16,7 +16,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lockstep import admission, keys
-from lockstep.desired import SHARED_MOUNT
+from lockstep.environment import SHARED_MOUNT
 from lockstep.protocol import PROTOCOL
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import fresh_namespace, running_job, wait_for
@@ -339,7 +339,8 @@ def test_the_trainers_identity_finds_the_actors_in_their_endpoint_slices_and_no_
 ) -> None:
     """What the trainer's rollout client watches, read with its own pod-bound token: every actor pod's address on
     the actor port, ready as the pod is; EndpointSlices of other namespaces stay closed to it."""
-    from lockstep.desired import ACTOR_PORT, actor_service_name
+    from lockstep.desired import actor_service_name
+    from lockstep.environment import ACTOR_PORT
     from lockstep_workers.rollouts import EndpointSlices
 
     actors = running_job(kube, namespace, "finder", 2)

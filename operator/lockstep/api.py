@@ -151,8 +151,13 @@ class MismatchBudget(Model):
     )
 
 
-class TrainerParity(Model):
+class TrainerNumerics(Model):
+    """What the trainer computes like the actors (part of a job's config fingerprint)."""
+
     lm_head_dtype: DType = Field(DType.FLOAT32, description="dtype of the trainer's final projection.")
+
+
+class TrainerParity(TrainerNumerics):
     mismatch_budget: MismatchBudget = Field(
         default_factory=MismatchBudget,
         description="The train-inference mismatch a job may show, in its preflight and on every step, and what "
@@ -488,7 +493,7 @@ class RewardErrorAction(StrEnum):
 
 
 class Training(Model):
-    """What the trainer process runs: the operator passes these fields to it as they are (--settings)."""
+    """What the trainer process runs: the operator passes these fields to it as they are (PodConfig.training)."""
 
     reward: str = Field(
         pattern=CALLABLE_PATTERN,

@@ -8,7 +8,6 @@ pod should carry. The operator calls it on every pass; a restarted operator simp
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +87,9 @@ def member_of(pod: dict[str, Any], *, reads_initial_weights: bool = True) -> Mem
     annotations = _annotations(pod)
     ack = parse_ack(annotations.get(keys.BARRIER_ACK))
     loaded = ack.loaded_version if isinstance(ack, Ack) else None
-    if loaded is None and reads_initial_weights and keys.INITIAL_WEIGHTS in annotations:
-        loaded = json.loads(annotations[keys.INITIAL_WEIGHTS]).get("version")
+    if loaded is None and reads_initial_weights:
+        initial = read_document(annotations.get(keys.INITIAL_WEIGHTS), Weights)
+        loaded = initial.version if isinstance(initial, Weights) else None
     return Member(pod["metadata"]["name"], pod["metadata"]["uid"], loaded, annotations.get(keys.BARRIER_ACK))
 
 

@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from lockstep import api, crds
 from lockstep.api import ParityPolicy, RLJobSpec
-from lockstep.parity import EffectiveConfig, default_policy, effective_config, vllm_cli_args
+from lockstep.parity import EffectiveConfig, default_policy, effective_config
+from lockstep.podconfig import vllm_flags
 
 _JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", dict: "object", list: "array"}
 
@@ -236,7 +237,7 @@ def render(args: argparse.Namespace) -> int:
         print(*config, sep="\n")
         return 1
     print(f"# ParityPolicy {config.policy!r}; fingerprint {config.fingerprint}")
-    print(" ".join(vllm_cli_args(config.vllm)))
+    print(" ".join(vllm_flags(config.vllm_settings)))
     return 0
 
 

@@ -14,32 +14,27 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from lockstep import environment, keys
-from lockstep.api import API_VERSION, PodOverrides, RLJobSpec
-from lockstep.environment import CONFIG_FILE, CONFIG_MOUNT, SHARED_MOUNT
+from lockstep.api import API_VERSION, PodOverrides, RLJobSpec, Training
+from lockstep.environment import (
+    ACTOR_PORT,
+    ACTOR_PORT_NAME,
+    CONFIG_FILE,
+    CONFIG_MOUNT,
+    MANIFEST_PORT,
+    RENDEZVOUS_PORT,
+    SHARED_MOUNT,
+    SHM_DIR,
+    TRAINER_METRICS_PORT,
+    TRANSFER_GROUP_PORT,
+    WORKER_ENV,
+    WRITABLE_DIRS,
+)
 from lockstep.origin import WEIGHTS_DIRECTORY, TrainerManifest, WeightsFiles, WeightsOrigin
-from lockstep.parity import EffectiveConfig, vllm_cli_args
+from lockstep.parity import EffectiveConfig
+from lockstep.podconfig import PodConfig, actor_args
 
-ACTOR_PORT = 8000
-ACTOR_PORT_NAME = "http"
-"""The actor Service's port, by which the trainer finds the actors' port in the Service's EndpointSlices."""
-TRAINER_PORT = 29500
-TRAINER_METRICS_PORT = 9400
-WEIGHTS_PORT = 9500
-"""Collective backends: trainer rank 0 serves each version's manifest here (lockstep_workers.transfer)."""
-WEIGHTS_GROUP_PORT = 9501
-"""Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0."""
 WORKER_UID = 10001
 """The uid and gid Lockstep's worker images run as (images/); the pods' fsGroup, so volumes they write are theirs."""
-WORKER_HOME = "/home/lockstep"
-"""The worker images' home (images/). The root filesystem is read-only; the pods mount a fresh emptyDir here, for
-what vLLM, torch, Triton, CUDA and Hugging Face write under it (~/.cache, ~/.config, ~/.triton, ~/.nv)."""
-WRITABLE_DIRS = {"lockstep-tmp": "/tmp", "lockstep-home": WORKER_HOME}
-"""Volume name → path of the emptyDirs every worker container writes in, its root filesystem being read-only (GPU
-pods also get /dev/shm, SHM_DIR). A mount of the role's own at one of these paths replaces the operator's."""
-SHM_DIR = "/dev/shm"
-WORKER_ENV = {"HOME": WORKER_HOME}
-"""Environment defaults of every worker container (so that a custom image's home is the writable one too). A
-variable of the same name in the role's env replaces the default."""
 GPU = "nvidia.com/gpu"
 
 
@@ -154,22 +149,26 @@ def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
     ]
 
 
-def config_map(job: JobRef, config: EffectiveConfig) -> dict[str, Any]:
-    """The effective configuration, for people and for the pods (mounted at /etc/lockstep)."""
-    document = {
-        "fingerprint": config.fingerprint,
-        "policy": config.policy,
-        "mismatchBudget": config.mismatch_budget.model_dump(mode="json", by_alias=True),
-        **config.document(),
-    }
+def pod_config(spec: RLJobSpec, config: EffectiveConfig) -> PodConfig:
+    """What the job's pods run with (lockstep.podconfig.load_pod_config reads it in each)."""
+    return PodConfig.model_validate(
+        {
+            "fingerprint": config.fingerprint,
+            "policy": config.policy,
+            **config.document(),
+            "mismatchBudget": config.mismatch_budget,
+            "training": spec.trainer.training(),
+        }
+    )
+
+
+def config_map(job: JobRef, spec: RLJobSpec, config: EffectiveConfig) -> dict[str, Any]:
+    """The job's PodConfig, for the pods (mounted at environment.CONFIG_MOUNT) and for people."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": job.metadata(config_map_name(job.name)),
-        "data": {
-            CONFIG_FILE: json.dumps(document, indent=2, sort_keys=True),
-            "vllm-args": " ".join(vllm_cli_args(config.vllm)),
-        },
+        "data": {CONFIG_FILE: pod_config(spec, config).text()},
     }
 
 
@@ -192,7 +191,7 @@ def services(job: JobRef) -> list[dict[str, Any]]:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": job.labels(keys.TRAINER),
-            "ports": [{"name": "rendezvous", "port": TRAINER_PORT, "targetPort": TRAINER_PORT}],
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
         },
     }
     return [actors, trainer]
@@ -254,19 +253,18 @@ def preflight_pod(
 def actor_pod(
     job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int, placements: Placements | None = None
 ) -> dict[str, Any]:
-    args = [f"--model={spec.model.uri}", f"--port={ACTOR_PORT}", *vllm_cli_args(config.vllm)]
     container = {
         "name": keys.ACTOR,
         "image": spec.actors.image,
         "command": ["python", "-m", "lockstep_workers.actor"],
-        "args": args,
+        "args": actor_args(spec.model.uri, ACTOR_PORT, config.vllm_settings),
         "ports": [{"name": ACTOR_PORT_NAME, "containerPort": ACTOR_PORT}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": ACTOR_PORT}, "periodSeconds": 5},
     }
     if spec.weight_sync.backend.collective:  # the only manifest server an actor accepts weights from
         container["env"] = [
             {"name": environment.WEIGHTS_HOST, "value": trainer_host(job)},
-            {"name": environment.WEIGHTS_PORT, "value": str(WEIGHTS_PORT)},
+            {"name": environment.WEIGHTS_PORT, "value": str(MANIFEST_PORT)},
         ]
     placement = _placement(placements, keys.ACTOR)
     return _pod(job, spec, spec.actors, config, keys.ACTOR, index, container, placement, hostname=None)
@@ -286,23 +284,22 @@ def weights_origin(job: JobRef, collective: bool) -> WeightsOrigin:
     """Where the job's pods take weights from: its weights directory (filesystem backend), or trainer rank 0's
     manifest server (nccl, gloo)."""
     if collective:
-        return TrainerManifest(trainer_host(job), WEIGHTS_PORT)
+        return TrainerManifest(trainer_host(job), MANIFEST_PORT)
     return WeightsFiles(PurePosixPath(shared_dir(job)) / WEIGHTS_DIRECTORY)
 
 
 def trainer_pod(
     job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int, placements: Placements | None = None
 ) -> dict[str, Any]:
-    settings = spec.trainer.training().model_dump_json(by_alias=True)
     master = trainer_host(job)
     ports = [
-        {"name": "rendezvous", "containerPort": TRAINER_PORT},
+        {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
         {"name": "metrics", "containerPort": TRAINER_METRICS_PORT},
     ]
     env = [
         {"name": environment.METRICS_PORT, "value": str(TRAINER_METRICS_PORT if rank == 0 else 0)},
         {"name": environment.MASTER_ADDR, "value": master},
-        {"name": environment.MASTER_PORT, "value": str(TRAINER_PORT)},
+        {"name": environment.MASTER_PORT, "value": str(RENDEZVOUS_PORT)},
         {"name": environment.WORLD_SIZE, "value": str(spec.trainer.replicas)},
         {"name": environment.RANK, "value": str(rank)},
         {"name": environment.ACTORS_SERVICE, "value": actor_service_name(job.name)},
@@ -311,19 +308,19 @@ def trainer_pod(
         env.append({"name": environment.LOCAL_RANK, "value": "0"})
     if spec.weight_sync.backend.collective:  # rank 0 sends the weights: the actors reach it here
         ports += [
-            {"name": "weights", "containerPort": WEIGHTS_PORT},
-            {"name": "weights-group", "containerPort": WEIGHTS_GROUP_PORT},
+            {"name": "weights", "containerPort": MANIFEST_PORT},
+            {"name": "weights-group", "containerPort": TRANSFER_GROUP_PORT},
         ]
         env += [
             {"name": environment.WEIGHTS_HOST, "value": master},
-            {"name": environment.WEIGHTS_PORT, "value": str(WEIGHTS_PORT)},
-            {"name": environment.WEIGHTS_GROUP_PORT, "value": str(WEIGHTS_GROUP_PORT)},
+            {"name": environment.WEIGHTS_PORT, "value": str(MANIFEST_PORT)},
+            {"name": environment.WEIGHTS_GROUP_PORT, "value": str(TRANSFER_GROUP_PORT)},
         ]
     container = {
         "name": keys.TRAINER,
         "image": spec.trainer.image,
         "command": ["python", "-m", "lockstep_workers.trainer"],
-        "args": [f"--model={spec.model.uri}", f"--settings={settings}"],
+        "args": [f"--model={spec.model.uri}"],
         "ports": ports,
         "env": env,
         # A trainer that stops on the job's own settings (a dataset it cannot read) says why in its last log line;
@@ -332,7 +329,10 @@ def trainer_pod(
     }
     hostname = pod_name(job.name, keys.TRAINER, rank)
     placement = _placement(placements, keys.TRAINER)
-    return _pod(job, spec, spec.trainer, config, keys.TRAINER, rank, container, placement, hostname=hostname)
+    training = spec.trainer.training()
+    return _pod(
+        job, spec, spec.trainer, config, keys.TRAINER, rank, container, placement, hostname=hostname, reads=training
+    )
 
 
 def _pod(
@@ -345,13 +345,16 @@ def _pod(
     container: dict[str, Any],
     placement: Placement,
     hostname: str | None,
+    reads: Training | None = None,
 ) -> dict[str, Any]:
+    """The pod of ``role``; its template hash covers its spec and what it ``reads`` of the PodConfig that the
+    fingerprint does not cover (the trainer: its training settings), so that a change of either replaces it."""
     name = pod_name(job.name, role, index)
     env = [
         *container.pop("env", []),
         {"name": environment.JOB, "value": job.name},
         {"name": environment.ROLE, "value": role},
-        {"name": environment.CONFIG, "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
+        {"name": environment.CONFIG, "value": environment.CONFIG_PATH},
         {"name": environment.WEIGHT_SYNC, "value": spec.weight_sync.backend.value},
         {"name": environment.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": environment.POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -409,7 +412,8 @@ def _pod(
             pod_spec[key] = value
     metadata = job.metadata(name, role)
     metadata["labels"][keys.INDEX] = str(index)
-    metadata["annotations"] = {keys.CONFIG_FINGERPRINT: config.fingerprint, keys.TEMPLATE_HASH: _hash(pod_spec)}
+    template = pod_spec if reads is None else {"spec": pod_spec, "reads": reads.model_dump(mode="json", by_alias=True)}
+    metadata["annotations"] = {keys.CONFIG_FINGERPRINT: config.fingerprint, keys.TEMPLATE_HASH: _hash(template)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 

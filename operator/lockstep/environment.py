@@ -1,5 +1,5 @@
 """What the operator sets up in the worker pods (operator/lockstep/desired.py) and the workers read: the names of
-the environment variables and the paths of the operator's own mounts, spelled once for both sides.
+the environment variables, the ports, and the paths of the operator's own mounts, spelled once for both sides.
 
 A job's own ``env`` and ``volumeMounts`` may not take them over (``reserved_env``, ``reserved_mount``; the CRD
 refuses them with the same rule, ``api.RESERVED_ENV_RULE`` and ``api.RESERVED_MOUNT_RULE``): a user's
@@ -51,12 +51,39 @@ NCCL_* variable: those are the job's own."""
 CONFIG_MOUNT = "/etc/lockstep"
 """The job's effective configuration (its ConfigMap), read-only."""
 CONFIG_FILE = "effective-config.json"
+"""The ConfigMap's key, and file, holding the job's PodConfig (lockstep.podconfig)."""
+CONFIG_PATH = f"{CONFIG_MOUNT}/{CONFIG_FILE}"
+"""Where a pod reads its PodConfig; the value of ``CONFIG``."""
 SHARED_MOUNT = "/var/lib/lockstep"
 """The job's own directory of spec.weightSync.volume is mounted at ``<SHARED_MOUNT>/<job uid>``."""
 RESERVED_MOUNTS = (CONFIG_MOUNT, SHARED_MOUNT)
 """Paths a job may not mount anything at or under."""
 RESERVED_VOLUME_PREFIX = "lockstep-"
 """The names of the volumes the operator adds to a pod; a job's own volumes take other names."""
+WORKER_HOME = "/home/lockstep"
+"""The worker images' home (images/). The root filesystem is read-only; the pods mount a fresh emptyDir here, for
+what vLLM, torch, Triton, CUDA and Hugging Face write under it (~/.cache, ~/.config, ~/.triton, ~/.nv)."""
+WRITABLE_DIRS = {"lockstep-tmp": "/tmp", "lockstep-home": WORKER_HOME}
+"""Volume name → path of the emptyDirs every worker container writes in, its root filesystem being read-only (GPU
+pods also get /dev/shm, SHM_DIR). A mount of the role's own at one of these paths replaces the operator's."""
+SHM_DIR = "/dev/shm"
+WORKER_ENV = {"HOME": WORKER_HOME}
+"""Environment defaults of every worker container (so that a custom image's home is the writable one too). A
+variable of the same name in the role's env replaces the default."""
+
+ACTOR_PORT = 8000
+"""The actor's HTTP API (lockstep_workers.actor)."""
+ACTOR_PORT_NAME = "http"
+"""The actor Service's port, by which the trainer finds the actors' port in the Service's EndpointSlices."""
+RENDEZVOUS_PORT = 29500
+"""The trainer: torch.distributed's rendezvous on rank 0 (``MASTER_PORT``)."""
+TRAINER_METRICS_PORT = 9400
+"""The trainer: rank 0's Prometheus metrics (``METRICS_PORT``)."""
+MANIFEST_PORT = 9500
+"""Collective backends: trainer rank 0 serves each version's manifest here (``WEIGHTS_PORT``,
+lockstep_workers.transfer)."""
+TRANSFER_GROUP_PORT = 9501
+"""Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0 (``WEIGHTS_GROUP_PORT``)."""
 
 
 RESERVED_ENV_WHY = (

@@ -95,6 +95,11 @@ class EffectiveConfig:
         canonical = json.dumps(self.document(), sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
+    @functools.cached_property
+    def vllm_settings(self) -> VllmSettings:
+        """``vllm`` as its model, from which the actors' flags are rendered (lockstep.podconfig.actor_args)."""
+        return VllmSettings.model_validate(self.vllm)
+
     def document(self) -> dict[str, Any]:
         """The part that determines parity (written to the job's ConfigMap)."""
         return {
@@ -188,17 +193,3 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
         model=spec.model.model_dump(mode="json", by_alias=True),
         conflicts=conflicts,
     )
-
-
-def vllm_cli_args(vllm: dict[str, Any]) -> list[str]:
-    """Render effective vLLM settings as ``vllm serve``-style flags (``--max-model-len=512``)."""
-    args = []
-    for key, value in vllm.items():
-        flag = "--" + "".join("-" + c.lower() if c.isupper() else c for c in key)
-        if isinstance(value, bool):
-            args.append(flag if value else f"--no-{flag[2:]}")
-        elif isinstance(value, dict):
-            args.append(f"{flag}={json.dumps(value, sort_keys=True, separators=(',', ':'))}")
-        else:
-            args.append(f"{flag}={value}")
-    return args

@@ -7,9 +7,10 @@ import datetime as dt
 import json
 
 from factories import NOW
+from lockstep import keys
 from lockstep.api import BarrierOutcome, BarrierStatus, TimeoutAction
-from lockstep.barrier import MEMBER_RETRIES, Decision, Member, interrupt, step
-from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights
+from lockstep.barrier import MEMBER_RETRIES, Decision, Member, interrupt, member_of, step
+from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights, document
 
 V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1", bytes=4096)
 V2 = Weights(version=2, uri="file:///w/v2", digest="sha256:2")
@@ -293,3 +294,15 @@ def test_an_interrupted_barrier_is_recorded_with_its_reason_and_commits_nothing(
     record = interrupt(opened, NOW + dt.timedelta(seconds=4), "Preempted")
     assert (record.outcome, record.reason, record.version) == (BarrierOutcome.INTERRUPTED, "Preempted", 1)
     assert record.seconds == 4 and record.members == 2, "its time ends when the pods were stopped"
+
+
+def test_a_members_initial_weights_count_only_as_a_document_of_this_protocol() -> None:
+    def loaded(initial: str, reads_initial_weights: bool = True) -> int | None:
+        pod = {"metadata": {"name": "a", "uid": "uid-a", "annotations": {keys.INITIAL_WEIGHTS: initial}}}
+        return member_of(pod, reads_initial_weights=reads_initial_weights).loaded_version
+
+    assert loaded(document(V2)) == 2
+    assert loaded(document(V2), reads_initial_weights=False) is None, "a collective backend loads none at start"
+    other_protocol = json.dumps({**json.loads(document(V2)), "protocol": PROTOCOL - 1})
+    assert loaded(other_protocol) is None, "another protocol's version is not this one's (protocol.read_document)"
+    assert loaded("{not json") is None

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from factories import NOW, REWARD, job, policy, running
-from lockstep import api, desired, environment
+from lockstep import api, environment
 from lockstep.cli import _cel_errors
 from lockstep.conditions import READY, find
 from lockstep.crds import structural_schema
@@ -38,7 +38,7 @@ def rendered_pods() -> list[dict[str, Any]]:
 def test_every_variable_the_operator_sets_is_reserved_or_a_default_the_job_may_replace() -> None:
     names = {e["name"] for pod in rendered_pods() for e in pod["spec"]["containers"][0]["env"]}
     assert {environment.CONFIG, environment.RANK, environment.MASTER_ADDR, environment.LOCAL_RANK} <= names
-    defaults = set(desired.WORKER_ENV)
+    defaults = set(environment.WORKER_ENV)
     assert [name for name in sorted(names - defaults) if not environment.reserved_env(name)] == []
     assert not any(environment.reserved_env(name) for name in defaults), "a default the job may replace"
 
@@ -47,7 +47,7 @@ def test_every_mount_and_volume_the_operator_adds_is_reserved() -> None:
     pods = rendered_pods()
     paths = {m["mountPath"] for pod in pods for m in pod["spec"]["containers"][0]["volumeMounts"]}
     # The writable scratch dirs (and /dev/shm for NCCL) a job may bring itself: the operator then adds none.
-    replaceable = {*desired.WRITABLE_DIRS.values(), desired.SHM_DIR}
+    replaceable = {*environment.WRITABLE_DIRS.values(), environment.SHM_DIR}
     assert [path for path in sorted(paths - replaceable) if not environment.reserved_mount(path)] == []
     assert not any(environment.reserved_mount(path) for path in replaceable)
     volumes = {v["name"] for pod in pods for v in pod["spec"]["volumes"]}

@@ -6,7 +6,7 @@ import pytest
 
 from factories import job, policy
 from lockstep.api import Enforcement, ParityPolicy, RLJobSpec
-from lockstep.parity import PolicyError, effective_config, select_policy, vllm_cli_args
+from lockstep.parity import PolicyError, effective_config, select_policy
 
 
 def spec(**vllm: object) -> RLJobSpec:
@@ -78,20 +78,3 @@ def test_fingerprint_is_canonical_and_changes_with_the_config() -> None:
     assert first.fingerprint == reordered.fingerprint
     assert first.fingerprint != other.fingerprint
     assert first.fingerprint.startswith("sha256:") and len(first.fingerprint) == 7 + 64
-
-
-def test_cli_args_render_every_type() -> None:
-    args = vllm_cli_args(
-        {
-            "enforceEager": True,
-            "enablePrefixCaching": False,
-            "hfOverrides": {"head_dtype": "float32"},
-            "maxModelLen": 256,
-        }
-    )
-    assert args == [
-        "--enforce-eager",
-        "--no-enable-prefix-caching",
-        '--hf-overrides={"head_dtype":"float32"}',
-        "--max-model-len=256",
-    ]

@@ -1,7 +1,8 @@
 """The rollout actor: vLLM V1's AsyncLLM in this process, a small HTTP API for rollouts, and the
 barrier agent that pauses, reloads and resumes it.
 
-``python -m lockstep_workers.actor --model=PATH --port=8000 [vLLM flags rendered by the operator]``
+``python -m lockstep_workers.actor --model=PATH --port=8000 [vLLM flags]``, as lockstep.podconfig.actor_args renders
+it; the weight-update semantics come from the job's PodConfig ($LOCKSTEP_CONFIG).
 
 The vLLM settings are mapped onto the installed vLLM first (lockstep_workers.vllm_args): a setting it cannot
 honour stops the actor (exit 1, naming the setting and why) before vLLM starts.
@@ -24,7 +25,6 @@ barrier has brought it to them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 
 from lockstep import environment
 from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
+from lockstep.podconfig import ActorArgs, load_pod_config, parse_actor_args
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
@@ -58,27 +59,6 @@ PAUSED = Gauge("lockstep_actor_paused", "1 while a weight update holds generatio
 UPDATES = Counter("lockstep_actor_weight_updates_total", "Weight versions this actor loaded.")
 BASE_VERSION = 0
 """The version of the base model the actor starts from, before any published weights."""
-
-
-def _flag(name: str) -> str:
-    return "--" + "".join("-" + c.lower() if c.isupper() else c for c in name)
-
-
-def settings_parser() -> argparse.ArgumentParser:
-    """Flags for every VllmSettings field, spelled as the operator renders them (lockstep.parity.vllm_cli_args)."""
-    parser = argparse.ArgumentParser(prog="python -m lockstep_workers.actor", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="path of the model to serve")
-    parser.add_argument("--port", type=int, default=8000)
-    for name, field in VllmSettings.model_fields.items():
-        alias = field.alias or name
-        kinds = {getattr(a, "__origin__", a) for a in getattr(field.annotation, "__args__", (field.annotation,))}
-        if bool in kinds:
-            parser.add_argument(_flag(alias), dest=name, action=argparse.BooleanOptionalAction, default=None)
-        elif dict in kinds:
-            parser.add_argument(_flag(alias), dest=name, type=json.loads, default=None)
-        else:
-            parser.add_argument(_flag(alias), dest=name, default=None)
-    return parser
 
 
 def applied_settings(settings: VllmSettings) -> AppliedSettings:
@@ -284,12 +264,11 @@ def application(
     return app
 
 
-async def serve(options: argparse.Namespace, applied: AppliedSettings) -> None:
+async def serve(options: ActorArgs, applied: AppliedSettings) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    update = WeightUpdateSemantics()
-    if config_file := os.environ.get(environment.CONFIG):
-        update = WeightUpdateSemantics.model_validate(json.loads(Path(config_file).read_text())["weightUpdate"])
+    config = load_pod_config(os.environ)
+    update = config.weight_update if config is not None else WeightUpdateSemantics()
     backend = WeightSyncBackend(os.environ.get(environment.WEIGHT_SYNC, WeightSyncBackend.FILESYSTEM))
     in_pod = bool(os.environ.get(environment.POD_NAME))
     origin = weights_origin(backend, os.environ) if in_pod else None
@@ -333,12 +312,9 @@ def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOri
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = settings_parser().parse_args()
-    settings = VllmSettings.model_validate(
-        {name: value for name, value in vars(options).items() if name in VllmSettings.model_fields}
-    )
+    options = parse_actor_args()
     try:
-        applied = applied_settings(settings)
+        applied = applied_settings(options.vllm)
     except UnsupportedSetting as refused:
         raise SystemExit(f"the actor does not start: {refused}") from None
     asyncio.run(serve(options, applied))

@@ -8,7 +8,6 @@ watches only its own pod (a field selector), and writes only its own ack annotat
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -125,10 +124,13 @@ def pod_api() -> client.CoreV1Api:
 
 
 def initial_weights(api: client.CoreV1Api, namespace: str, pod: str) -> Weights | None:
-    """The weights the job had committed when the operator created this pod (None before the first update)."""
+    """The weights the job had committed when the operator created this pod (None before the first update).
+    Raises ValueError, saying why, when the operator's document cannot be read."""
     metadata = api.read_namespaced_pod(pod, namespace).metadata
-    text = ((metadata and metadata.annotations) or {}).get(keys.INITIAL_WEIGHTS)
-    return Weights.model_validate(json.loads(text)) if text else None
+    weights = read_document(((metadata and metadata.annotations) or {}).get(keys.INITIAL_WEIGHTS) or None, Weights)
+    if isinstance(weights, str):
+        raise ValueError(f"the {keys.INITIAL_WEIGHTS} annotation on pod {namespace}/{pod} {weights}")
+    return weights
 
 
 def command_from(annotations: dict[str, Any]) -> Command | None:

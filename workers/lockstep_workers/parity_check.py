@@ -40,10 +40,10 @@ from lockstep.api import (
     LogprobsMode,
     ParityPolicy,
     PauseMode,
-    TrainerParity,
     VllmSettings,
     WeightUpdateSemantics,
 )
+from lockstep.podconfig import load_pod_config
 from lockstep.protocol import PreflightResult, Weights, document
 from lockstep_workers.learner import Policy, Rollout, token_logprobs
 from lockstep_workers.vllm_args import UnsupportedSetting
@@ -421,12 +421,17 @@ def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> in
     from lockstep_workers.actor import applied_settings
     from lockstep_workers.agent import pod_api
 
-    config = json.loads(Path(environ[environment.CONFIG]).read_text())
+    config = load_pod_config(environ)
+    if config is None:
+        raise SystemExit(
+            f"--preflight: {environment.CONFIG} is not set; the preflight checks the configuration the operator "
+            "mounts in an RLJob's preflight pod: run it there, or run the parity check without --preflight"
+        )
     configuration = Configuration(
-        f"the job's effective configuration (ParityPolicy {config['policy']!r})",
-        VllmSettings.model_validate(config["vllm"]),
-        TrainerParity.model_validate(config["trainer"]).lm_head_dtype is DType.FLOAT32,
-        WeightUpdateSemantics.model_validate(config["weightUpdate"]),
+        f"the job's effective configuration (ParityPolicy {config.policy!r})",
+        config.vllm,
+        config.trainer.lm_head_dtype is DType.FLOAT32,
+        config.weight_update,
     )
     try:
         applied = applied_settings(configuration.vllm)

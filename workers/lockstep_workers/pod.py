@@ -10,12 +10,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
 from lockstep import environment, keys
 from lockstep.api import WeightSyncBackend
+from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import EvalResult, Mismatch, Weights, document
 from lockstep_workers.checkpoint import checkpoints_directory
 from lockstep_workers.scoring import RewardInput
@@ -70,7 +71,8 @@ class PodEnvironment:
     """Fixed actor URLs, outside a cluster; in a pod, ``actors_service`` says where the actors are listed."""
     shared_dir: Path | None
     """The job's directory for weights, checkpoints and metrics (on spec.weightSync.volume, or an emptyDir)."""
-    config: dict[str, Any]
+    config: PodConfig | None
+    """The job's configuration ($LOCKSTEP_CONFIG); none outside an RLJob's pod."""
     pod: str | None
     namespace: str | None
     metrics_port: int
@@ -112,13 +114,12 @@ class PodEnvironment:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> PodEnvironment:
-        config_file = environ.get(environment.CONFIG)
         return cls(
             rank=int(environ.get(environment.RANK, "0")),
             world_size=int(environ.get(environment.WORLD_SIZE, "1")),
             actors=[url.rstrip("/") for url in environ.get(environment.ACTORS_URL, "").split(",") if url],
             shared_dir=Path(environ[environment.SHARED_DIR]) if environment.SHARED_DIR in environ else None,
-            config=json.loads(Path(config_file).read_text()) if config_file else {},
+            config=load_pod_config(environ),
             pod=environ.get(environment.POD_NAME),
             namespace=environ.get(environment.POD_NAMESPACE),
             metrics_port=int(environ.get(environment.METRICS_PORT, "0")),

@@ -30,7 +30,6 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 
 from lockstep import environment
-from lockstep.desired import ACTOR_PORT_NAME
 from lockstep_workers.episodes import EpisodeClient, Generation, RolloutFunction, episode_rollout, single_turn
 from lockstep_workers.learner import Rollout, lag_of
 
@@ -99,7 +98,9 @@ class FixedActors:
         return dict.fromkeys(self.urls, True)
 
 
-def actor_endpoints(slices: Iterable[Mapping[str, Any]], port_name: str = ACTOR_PORT_NAME) -> dict[str, bool]:
+def actor_endpoints(
+    slices: Iterable[Mapping[str, Any]], port_name: str = environment.ACTOR_PORT_NAME
+) -> dict[str, bool]:
     """URL -> listed ready, for every endpoint address of ``slices`` (EndpointSlices as the API serves them) on
     their port named ``port_name``. An unset ready condition means ready, as the API defines it."""
     urls: dict[str, bool] = {}

@@ -1,5 +1,5 @@
-"""The trainer pod's loop: ``python -m lockstep_workers.trainer --model=PATH --settings=JSON`` (the RLJob's
-spec.trainer training fields, rendered by the operator).
+"""The trainer pod's loop: ``python -m lockstep_workers.trainer --model=PATH``, running the training settings of the
+job's PodConfig ($LOCKSTEP_CONFIG: spec.trainer's training fields, rendered by the operator).
 
 Every rank computes on its accelerator (``cuda:$LOCAL_RANK``, else the CPU) and holds a shard of the model (FSDP2,
 lockstep_workers.sharding) in a torch.distributed group ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT: NCCL on GPUs,
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from prometheus_client import start_http_server
 
 from lockstep import environment
-from lockstep.api import DType, MismatchBudget, TrainerParity, Training
+from lockstep.api import DType, MismatchBudget, TrainerNumerics, Training
 from lockstep.protocol import EvalResult, Mismatch, Weights
 from lockstep_workers import checkpoint, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
@@ -150,11 +150,10 @@ def restore(env: PodEnvironment, causal_lm: torch.nn.Module, optimizer: torch.op
     return resumed
 
 
-def compute_dtype(config: dict[str, Any], model_path: str) -> torch.dtype:
+def compute_dtype(dtype: DType, model_path: str) -> torch.dtype:
     """The dtype the actors compute in, and so the trainer's layers: spec.model.dtype (auto: the checkpoint's)."""
     from transformers import AutoConfig
 
-    dtype = DType(config.get("model", {}).get("dtype", DType.AUTO))
     if dtype is DType.AUTO:
         found: Any = AutoConfig.from_pretrained(model_path).dtype
         resolved: torch.dtype = found if isinstance(found, torch.dtype) else getattr(torch, found or "float32")
@@ -239,14 +238,15 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     device = sharding.accelerator(env.local_rank)
     mesh = sharding.start(env.rank, env.world_size, device)
     torch.manual_seed(settings.seed)
-    parity = TrainerParity.model_validate(env.config.get("trainer", {}))
-    budget = MismatchBudget.model_validate(env.config.get("mismatchBudget", {})).mean_abs_logprob_diff
+    config = env.config  # outside an RLJob's pod: the policy defaults, in the checkpoint's dtype
+    numerics = config.trainer if config is not None else TrainerNumerics()
+    budget = (config.mismatch_budget if config is not None else MismatchBudget()).mean_abs_logprob_diff
     causal_lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
     policy = sharding.shard(
         causal_lm,
         mesh,
-        compute_dtype=compute_dtype(env.config, model_path),
-        fp32_head=parity.lm_head_dtype is DType.FLOAT32,
+        compute_dtype=compute_dtype(config.model.dtype if config is not None else DType.AUTO, model_path),
+        fp32_head=numerics.lm_head_dtype is DType.FLOAT32,
         activation_checkpointing=settings.activation_checkpointing,
     )
     optimizer = torch.optim.Adam(policy.parameters(), lr=settings.objective.learning_rate)
@@ -416,12 +416,16 @@ def _as_announced(env: PodEnvironment, weights: Weights) -> Weights:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lockstep_workers.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="path of the base model")
-    parser.add_argument("--settings", required=True, help="the RLJob's training settings, as JSON")
     options = parser.parse_args()
     faulthandler.enable()  # a crash in native code (torch, gloo, NCCL) leaves its stack in the pod log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = PodEnvironment.from_environ(os.environ)
-    settings = Training.model_validate_json(options.settings)
+    if env.config is None:
+        raise SystemExit(
+            f"{environment.CONFIG} is not set: the trainer runs the training settings of the job's configuration, "
+            "which the operator mounts in its pods; run the trainer as the operator renders its pod"
+        )
+    settings = env.config.training
     function = load_rollout_function(settings.rollout.function)
     actors = ActorService(discovery(env.actors_service, env.namespace, env.actors), function=function)
     train(options.model, settings, env, actors)

@@ -132,7 +132,9 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
 def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
     """``python -m lockstep_workers.actor`` on a tiny model with the arguments the operator renders under the
     default policy; yields its URL, its model and the process once it reports ready."""
-    from lockstep.parity import default_policy, settings_dict, vllm_cli_args
+    from lockstep.api import VllmSettings
+    from lockstep.parity import default_policy, settings_dict
+    from lockstep.podconfig import actor_args
     from lockstep_e2e.cluster import free_port
     from lockstep_workers.tiny_model import create_tiny_llama
 
@@ -145,14 +147,8 @@ def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[
         "maxModelLen": 256,
         "gpuMemoryUtilization": 0.2,
     }
-    argv = [
-        sys.executable,
-        "-m",
-        "lockstep_workers.actor",
-        f"--model={model_dir}",
-        f"--port={port}",
-        *vllm_cli_args(vllm),
-    ]
+    args = actor_args(str(model_dir), port, VllmSettings.model_validate(vllm))
+    argv = [sys.executable, "-m", "lockstep_workers.actor", *args]
     with (tmp_path / "actor.log").open("w") as log:
         actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"

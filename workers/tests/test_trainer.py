@@ -226,7 +226,7 @@ def test_the_trainer_refuses_to_run_without_its_weights_directory(tmp_path: Path
     from lockstep_workers.rollouts import ActorService, FixedActors
     from lockstep_workers.trainer import train
 
-    env = PodEnvironment(0, 1, ["http://actors:8000"], None, {}, None, None, 0)
+    env = PodEnvironment(0, 1, ["http://actors:8000"], None, None, None, None, 0)
     actors = ActorService(FixedActors(env.actors))
     with pytest.raises(SystemExit, match=r"LOCKSTEP_SHARED_DIR is not set: the operator sets it"):
         train(str(tmp_path), Training(reward="lockstep_workers.rewards:target_words"), env, actors)
@@ -324,7 +324,7 @@ def _rank(rank: int, world: int, port: int, model: str, shared: str, settings: T
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    env = PodEnvironment(rank, world, ["scripted"], Path(shared), {}, None, None, 0)
+    env = PodEnvironment(rank, world, ["scripted"], Path(shared), None, None, None, 0)
     train(model, settings, env, ScriptedActors(vocabulary=vocabulary))
 
 

@@ -31,7 +31,7 @@ def apply_children(run: Pass, spec: RLJobSpec, config: EffectiveConfig, pods: De
     NetworkPolicy (removed when the spec turns it off)."""
     run.plan.children = [
         *desired.worker_access(run.job, [p["metadata"]["name"] for p in pods.all]),
-        desired.config_map(run.job, config),
+        desired.config_map(run.job, spec, config),
         *desired.services(run.job),
     ]
     if spec.network_policy.enabled:

@@ -1,0 +1,136 @@
+"""The operator-to-pod contract: the job's effective configuration as its pods read it (``PodConfig``), and the
+actor's command line. The operator renders both (lockstep.desired: the job's ConfigMap, the actor pods' args); the
+actor, the trainer and the preflight read them with ``load_pod_config`` and ``parse_actor_args``, and nothing else.
+
+It sits beside protocol.py, not in it: protocol.py's documents are part of the RLJob's status (api.py imports
+them), and a PodConfig is made of api.py's models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_args, get_origin
+
+from pydantic import Field, ValidationError
+
+from lockstep import environment
+from lockstep.api import MismatchBudget, ModelSource, TrainerNumerics, Training, VllmSettings, WeightUpdateSemantics
+from lockstep.schema import Model
+
+
+class PodConfig(Model):
+    """The job's effective configuration: the JSON file at ``$LOCKSTEP_CONFIG`` in each of its pods (key
+    ``effective-config.json`` of its ConfigMap). The pods' ``lockstep.dev/config-fingerprint`` covers ``model``,
+    ``vllm``, ``trainer`` and ``weightUpdate`` (lockstep.parity.EffectiveConfig.document)."""
+
+    fingerprint: str = Field(description="sha256 of the parity part of this configuration, as each pod carries it")
+    policy: str = Field(description="the ParityPolicy this configuration comes from")
+    model: ModelSource = Field(description="spec.model")
+    vllm: VllmSettings = Field(
+        description="the actors' vLLM settings: the job's, merged with the policy's locked ones (the actors get them "
+        "as flags, actor_args; the preflight reads them here)"
+    )
+    trainer: TrainerNumerics = Field(description="what the trainer computes like the actors (the policy's)")
+    weight_update: WeightUpdateSemantics = Field(description="how an actor takes new weights (the policy's)")
+    mismatch_budget: MismatchBudget = Field(
+        description="the policy's budget; not part of the fingerprint: changing it changes no pod"
+    )
+    training: Training = Field(description="spec.trainer's training fields: what the trainer runs")
+
+    def text(self) -> str:
+        """The ConfigMap's JSON, read by ``load_pod_config`` (unset fields left out)."""
+        return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), indent=2, sort_keys=True)
+
+
+def load_pod_config(environ: Mapping[str, str]) -> PodConfig | None:
+    """The PodConfig at ``$LOCKSTEP_CONFIG``, or None where the variable is unset (a worker run outside an RLJob).
+    Exits, naming the file and each field it cannot read, when the file is not a PodConfig."""
+    path = environ.get(environment.CONFIG)
+    if not path:
+        return None
+    try:
+        return PodConfig.model_validate_json(Path(path).read_text())
+    except OSError as error:
+        raise SystemExit(
+            f"{environment.CONFIG}: {path} cannot be read ({error.strerror or error}); the operator mounts the job's "
+            f"configuration at {environment.CONFIG_PATH}: run the worker as the operator renders its pod"
+        ) from None
+    except ValidationError as error:
+        raise SystemExit(
+            f"{environment.CONFIG}: {path} is not a Lockstep pod configuration ({_fields(error)}); the operator and "
+            "this worker image are of different Lockstep versions: run the worker image of the operator's version"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ActorArgs:
+    """The actor's command line: what ``parse_actor_args`` reads back from ``actor_args``."""
+
+    model: str
+    port: int
+    vllm: VllmSettings
+
+
+def actor_args(model: str, port: int, settings: VllmSettings) -> list[str]:
+    """The actor's arguments: ``--model``, ``--port`` and ``vllm_flags(settings)``."""
+    return [f"--model={model}", f"--port={port}", *vllm_flags(settings)]
+
+
+def vllm_flags(settings: VllmSettings) -> list[str]:
+    """The settings that are set, as ``vllm serve``-style flags in the order of their names: ``--max-model-len=512``,
+    ``--no-enable-prefix-caching``, ``--hf-overrides={"head_dtype":"float32"}``."""
+    args = []
+    for key, value in sorted(settings.model_dump(mode="json", by_alias=True, exclude_none=True).items()):
+        flag = _flag(key)
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, dict):
+            args.append(f"{flag}={json.dumps(value, sort_keys=True, separators=(',', ':'))}")
+        else:
+            args.append(f"{flag}={value}")
+    return args
+
+
+def parse_actor_args(args: Sequence[str] | None = None) -> ActorArgs:
+    """The actor's command line (``sys.argv`` when ``args`` is None), as ``actor_args`` renders it; exits naming
+    the flag that does not fit its setting."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lockstep_workers.actor",
+        description="The rollout actor: vLLM V1, with the flags lockstep.podconfig.actor_args renders.",
+    )
+    parser.add_argument("--model", required=True, help="path of the model to serve")
+    parser.add_argument("--port", type=int, default=environment.ACTOR_PORT)
+    for name, field in VllmSettings.model_fields.items():
+        flag = _flag(field.alias or name)
+        kinds = {get_origin(kind) or kind for kind in get_args(field.annotation) or (field.annotation,)}
+        if bool in kinds:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction)
+        elif dict in kinds:
+            parser.add_argument(flag, dest=name, type=json.loads)
+        else:
+            parser.add_argument(flag, dest=name)
+    options = parser.parse_args(args)
+    given = {
+        field.alias or name: value
+        for name, field in VllmSettings.model_fields.items()
+        if (value := getattr(options, name)) is not None
+    }
+    try:
+        settings = VllmSettings.model_validate(given)
+    except ValidationError as error:
+        parser.error(_fields(error, _flag))
+    return ActorArgs(options.model, options.port, settings)
+
+
+def _flag(name: str) -> str:
+    """A camelCase setting's flag: maxModelLen → --max-model-len."""
+    return "--" + "".join("-" + c.lower() if c.isupper() else c for c in name)
+
+
+def _fields(error: ValidationError, spell: Callable[[str], str] = str) -> str:
+    """Each field a ValidationError names (spelled by ``spell``), with what is wrong with it."""
+    return "; ".join(f"{spell('.'.join(map(str, p['loc'])))}: {p['msg']}" for p in error.errors())

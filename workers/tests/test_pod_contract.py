@@ -1,0 +1,58 @@
+"""The workers' side of the operator-to-pod contract (issue 25 item 2): they read it through lockstep.podconfig,
+lockstep.environment and lockstep.protocol, never through the operator's own modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lockstep import keys
+from lockstep.protocol import PROTOCOL, Weights, document
+from lockstep_workers.agent import initial_weights
+
+WORKERS = ("actor", "agent", "parity_check", "pod", "rollouts", "trainer")
+
+
+def test_the_workers_import_none_of_the_operators_rendering() -> None:
+    imports = "; ".join(f"import lockstep_workers.{name}" for name in WORKERS)
+    listed = f"{imports}; import json, sys; print(json.dumps([m for m in sys.modules if m.startswith('lockstep.')]))"
+    found = subprocess.run([sys.executable, "-c", listed], capture_output=True, text=True, check=True, env=os.environ)
+    operator_side = {"lockstep.desired", "lockstep.parity", "lockstep.reconcile", "lockstep.controller"}
+    assert operator_side.isdisjoint(json.loads(found.stdout)), found.stdout
+
+
+class Pods:
+    """The one call initial_weights makes of the Kubernetes API, answering a pod with ``annotations``."""
+
+    def __init__(self, annotations: dict[str, str]) -> None:
+        self.annotations = annotations
+
+    def read_namespaced_pod(self, name: str, namespace: str) -> SimpleNamespace:
+        return SimpleNamespace(metadata=SimpleNamespace(annotations=self.annotations))
+
+
+def test_a_pod_reads_its_initial_weights_as_a_protocol_document() -> None:
+    weights = Weights(version=3, uri="/var/lib/lockstep/uid/weights/v3", digest="sha256:3")
+    assert initial_weights(Pods({keys.INITIAL_WEIGHTS: document(weights)}), "team", "demo-actor-0") == weights  # type: ignore[arg-type]
+    assert initial_weights(Pods({}), "team", "demo-actor-0") is None  # type: ignore[arg-type]
+    other = json.dumps({**json.loads(document(weights)), "protocol": PROTOCOL + 1})
+    with pytest.raises(ValueError) as refused:
+        initial_weights(Pods({keys.INITIAL_WEIGHTS: other}), "team", "demo-actor-0")  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        f"the {keys.INITIAL_WEIGHTS} annotation on pod team/demo-actor-0 speaks barrier protocol {PROTOCOL + 1}; "
+        f"this version speaks {PROTOCOL}"
+    )
+
+
+def test_the_preflight_outside_a_preflight_pod_says_where_it_runs() -> None:
+    from lockstep_workers.parity_check import Workload, preflight
+
+    with pytest.raises(SystemExit) as refused:
+        preflight(Path("/models/tiny"), Workload(), {})
+    assert str(refused.value).startswith("--preflight: LOCKSTEP_CONFIG is not set"), refused.value
