@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep import api, keys
-from lockstep.crds import structural_schema
+from lockstep.schema import structural_schema
 
 NAME = "lockstep-parity-enforce"
 """Name of both the ValidatingAdmissionPolicy and its binding."""

@@ -20,10 +20,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from lockstep import api, crds
+from lockstep import api
 from lockstep.api import ParityPolicy, RLJobSpec
 from lockstep.parity import EffectiveConfig, default_policy, effective_config
 from lockstep.podconfig import vllm_flags
+from lockstep.schema import structural_schema
 
 _JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", dict: "object", list: "array"}
 
@@ -37,7 +38,7 @@ def _quoted(value: Any) -> str:
 
 
 def _schema_at(path: tuple[str | int, ...]) -> dict[str, Any]:
-    node = crds.structural_schema(RLJobSpec)
+    node = structural_schema(RLJobSpec)
     for part in path:
         if isinstance(part, int):
             node = node["items"]
@@ -62,13 +63,13 @@ def decoded(value: Any, node: dict[str, Any]) -> Any:
 def schema_errors(spec: dict[str, Any]) -> list[str]:
     """What the API server says of an invalid spec, one line per field, in its own words: the schema,
     then the CRD's CEL rules on the defaulted spec."""
-    spec = decoded(spec, crds.structural_schema(RLJobSpec))
+    spec = decoded(spec, structural_schema(RLJobSpec))
     try:
         validated = RLJobSpec.model_validate_json(json.dumps(spec), strict=True)
     except ValidationError as error:
         return [_api_server_message(e) for e in error.errors()]
     defaulted = validated.model_dump(mode="json", by_alias=True, exclude_none=True)
-    return _cel_errors(crds.structural_schema(RLJobSpec), defaulted, "spec")
+    return _cel_errors(structural_schema(RLJobSpec), defaulted, "spec")
 
 
 def _cel_errors(node: dict[str, Any], value: Any, path: str) -> list[str]:

@@ -12,8 +12,8 @@ from factories import NOW, REWARD, job, policy, running
 from lockstep import api, environment
 from lockstep.cli import _cel_errors
 from lockstep.conditions import READY, find
-from lockstep.crds import structural_schema
 from lockstep.reconcile import Observed, reconcile
+from lockstep.schema import structural_schema
 
 GPU = {"limits": {"nvidia.com/gpu": 1}}
 
