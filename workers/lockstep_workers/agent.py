@@ -55,6 +55,10 @@ class AgentCore:
     loaded: Weights | None = None
     paused: bool = False
     last_ack: Ack | None = None
+    swapped: Staged | None = None
+    """What the last swap took its weights from, held until ``release``: freeing a staged gigabyte takes a tenth
+    of a second, which the pause need not wait for."""
+    releasing: threading.Thread | None = None
 
     def start(self, initial: Weights | None) -> None:
         """Load the weights the job had committed when this pod was created, before reporting ready."""
@@ -62,6 +66,29 @@ class AgentCore:
             with contextlib.closing(self.engine.stage(initial, None)) as staged:
                 self.engine.swap(staged)
             self.loaded = initial
+
+    def release(self) -> None:
+        """Free what the last swap took its weights from, on a thread of its own (the caller goes on); the shell
+        calls it once the ack is written. The next staging waits for it: at most one staged copy is held."""
+        staged, self.swapped = self.swapped, None
+        if staged is not None:
+            self.releasing = threading.Thread(target=staged.close, name="release-staged-weights", daemon=True)
+            self.releasing.start()
+
+    def _swap_in(self, weights: Weights, group: TransferGroup | None) -> None:
+        """Stage ``weights`` (generating still), then pause and swap them in; keep the staged copy for release."""
+        self.release()
+        if self.releasing is not None:
+            self.releasing.join()
+        staged = self.engine.stage(weights, group)
+        try:
+            self._pause()
+            self.engine.swap(staged)
+        except BaseException:
+            staged.close()
+            raise
+        self.swapped = staged
+        self.loaded = weights
 
     def handle(self, command: Command) -> Ack:
         """Carry out ``command`` once; return the ack to write."""
@@ -76,10 +103,7 @@ class AgentCore:
                 # Staged while the engine still generates; paused only for the swap. An agent that restarted
                 # mid-barrier may see Update or Resume first: it still stages, pauses, swaps and resumes in that
                 # order. A member of a transfer group always takes part.
-                with contextlib.closing(self.engine.stage(weights, command.group)) as staged:
-                    self._pause()
-                    self.engine.swap(staged)
-                self.loaded = weights
+                self._swap_in(weights, command.group)
             self._pause()
             if command.phase is BarrierPhase.RESUME:
                 self.engine.resume()
@@ -190,3 +214,4 @@ class PodAgent:
             )
             response.drain_conn()  # read to its end, undecoded: its connection goes back to the pool
             response.release_conn()
+        self.core.release()

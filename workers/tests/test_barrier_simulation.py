@@ -33,13 +33,14 @@ def weights(version: int) -> Weights:
     return Weights(version=version, uri=f"file:///weights/v{version}", digest=f"sha256:{version:064x}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class FakeStaged:
     weights: Weights
     group: TransferGroup | None
+    closed: bool = False
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 @dataclass
@@ -301,6 +302,22 @@ def test_a_failed_command_is_carried_out_again_only_when_asked_again(caplog: pyt
     retried = agent.handle(update.model_copy(update={"retry": 1}))
     assert retried.error is None and retried.retry == 1 and retried.loaded_version == 1
     assert engine.calls == ["stage 1", "pause", "swap 1"], "never paused for the staging that failed"
+
+
+def test_a_staged_copy_is_freed_once_its_ack_is_written_and_always_before_the_next_staging() -> None:
+    agent = AgentCore(FakeEngine())
+    agent.handle(Command(id="job/1/1", version=1, uri="u1", digest="d1", phase=BarrierPhase.UPDATE))
+    first = agent.swapped
+    assert isinstance(first, FakeStaged) and not first.closed, "held while the ack is written, not in the pause"
+    agent.release()
+    assert agent.releasing is not None
+    agent.releasing.join()
+    assert first.closed and agent.swapped is None
+    agent.handle(Command(id="job/2/1", version=2, uri="u2", digest="d2", phase=BarrierPhase.UPDATE))
+    second = agent.swapped
+    agent.handle(Command(id="job/3/1", version=3, uri="u3", digest="d3", phase=BarrierPhase.RESUME))
+    assert isinstance(second, FakeStaged) and second.closed, "no release came between: freed before staging again"
+    assert isinstance(agent.swapped, FakeStaged) and agent.swapped.weights.version == 3
 
 
 def test_a_failed_swap_leaves_the_member_paused_on_its_old_weights_until_asked_again() -> None:
