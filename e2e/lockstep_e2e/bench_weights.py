@@ -21,39 +21,61 @@ Not a test: nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from lockstep.protocol import BarrierPhase, Command, TransferGroup, Weights
 from lockstep_e2e.benchmarks import write_results
 from lockstep_e2e.install import REPO
-from lockstep_workers.weights import Publisher, digest_of, publish, version_path
+from lockstep_workers.actor import Actor, LoopEngine, applied_settings, engine_args
+from lockstep_workers.agent import AgentCore, Staged
+from lockstep_workers.tiny_model import create_tiny_llama
+from lockstep_workers.weights import Publisher, WeightsDirectory, digest_of, publish, version_path
 
 VOCABULARY = 16384
 
 
-def llama_state_dict(gigabytes: float, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random Llama-shaped state dict (fp32, untied head, Hugging Face names) of about ``gigabytes`` GB: hidden
-    size 512 below 0.3 GB, else 1024; an MLP 8/3 as wide; as many layers as the size leaves room for."""
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    intermediate: int
+    layers: int
+
+
+def llama_shape(gigabytes: float) -> LlamaShape:
+    """A Llama of about ``gigabytes`` GB in fp32 (untied head): hidden size 512 below 0.3 GB, else 1024; an MLP
+    8/3 as wide; as many layers as the size leaves room for."""
     hidden = 512 if gigabytes < 0.3 else 1024
     intermediate = (8 * hidden // 3 + 255) // 256 * 256
     layer_parameters = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
     layers = max(1, round((gigabytes * 1e9 / 4 - 2 * VOCABULARY * hidden) / layer_parameters))
+    return LlamaShape(hidden, intermediate, layers)
+
+
+def llama_state_dict(gigabytes: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random state dict (fp32, Hugging Face names) of ``llama_shape(gigabytes)``."""
+    shape = llama_shape(gigabytes)
+    hidden, intermediate = shape.hidden, shape.intermediate
     generator = torch.Generator().manual_seed(seed)
 
-    def random(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator)
+    def random(*dimensions: int) -> torch.Tensor:
+        return torch.randn(*dimensions, generator=generator)
 
     tensors = {"model.embed_tokens.weight": random(VOCABULARY, hidden)}
-    for n in range(layers):
+    for n in range(shape.layers):
         prefix = f"model.layers.{n}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             tensors[f"{prefix}self_attn.{name}.weight"] = random(hidden, hidden)
@@ -195,7 +217,284 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
-PARTS = {"publish": publish_part}
+def _median_times(updates: list[UpdateTimes]) -> UpdateTimes:
+    """Each field's median over ``updates``."""
+    return UpdateTimes(**{name: _median([getattr(u, name) for u in updates]) for name in vars(updates[0])})
+
+
+def _times(update: UpdateTimes) -> str:
+    return (
+        f"announced→serving {update.announced_to_serving_s:.3f} s, pause {update.pause_s:.3f} s (stage"
+        f" {update.stage_s:.3f} s, swap {update.swap_s:.3f} s, pausing {update.pausing_s:.3f} s, resuming"
+        f" {update.resuming_s:.3f} s)"
+    )
+
+
+IDLE_SECONDS = 3.0
+"""How long generation runs with no update before each one: the rate to compare with."""
+GENERATING = 4
+"""Requests kept generating on the actor throughout."""
+PROMPT = [1, 10, 11, 12, 13]
+
+
+def cpu_settings() -> Any:
+    """The default ParityPolicy's locked vLLM settings in fp32 on this CPU (as workers/tests/test_actor.py's)."""
+    from lockstep.api import VllmSettings
+    from lockstep.parity import default_policy
+
+    return VllmSettings(
+        **{
+            **default_policy().spec.vllm.model_dump(),
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 512,
+            "gpu_memory_utilization": 0.2,
+            "seed": 0,
+        }
+    )
+
+
+class Generation:
+    """``GENERATING`` requests kept running on ``llm`` (each replaced when it ends); records when every token
+    arrived (wall-clock seconds), to count tokens/s over any window."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.arrivals: list[float] = []
+        self._tasks = [asyncio.create_task(self._keep(n)) for n in range(GENERATING)]
+
+    async def _keep(self, seed: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.7, max_tokens=500, ignore_eos=True, seed=seed, output_kind=RequestOutputKind.DELTA
+        )
+        while True:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=PROMPT), params, uuid.uuid4().hex):
+                now = time.time()
+                self.arrivals.extend([now] * len(output.outputs[0].token_ids))
+
+    def tokens(self, windows: list[tuple[float, float]]) -> float:
+        """Tokens per second over ``windows`` (start, end) together."""
+        count = sum(start < arrival <= end for start, end in windows for arrival in self.arrivals)
+        return count / sum(end - start for start, end in windows)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class TimedEngine:
+    """The actor's agent Engine (LoopEngine), recording when each staging began and ended."""
+
+    def __init__(self, engine: LoopEngine) -> None:
+        self.engine = engine
+        self.staging: list[tuple[float, float]] = []
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def stage(self, weights: Weights, group: TransferGroup | None) -> Staged:
+        started = time.time()
+        staged = self.engine.stage(weights, group)
+        self.staging.append((started, time.time()))
+        return staged
+
+    def swap(self, staged: Staged) -> None:
+        self.engine.swap(staged)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+
+def barrier(core: AgentCore, weights: Weights) -> None:
+    """The barrier as a member's agent sees it: Update (stage, pause, swap), then Resume."""
+    for phase in (BarrierPhase.UPDATE, BarrierPhase.RESUME):
+        command = Command(id=f"bench/{weights.version}", phase=phase, **weights.model_dump())
+        if (error := core.handle(command).error) is not None:
+            raise RuntimeError(f"the agent failed {phase.value}: {error}")
+
+
+def staged_inside_the_pause(engine: TimedEngine, weights: Weights) -> None:
+    """What the agent did before issue 22's staging: pause, then read and verify the file, swap, resume."""
+    engine.pause()
+    with contextlib.closing(engine.stage(weights, None)) as staged:
+        engine.swap(staged)
+    engine.resume()
+
+
+def copy_floor(tensors: dict[str, torch.Tensor]) -> float:
+    """Seconds to copy every tensor into one preallocated (and written, so no page is faulted in) beside it: the
+    floor of a swap of these bytes."""
+    targets = {name: torch.empty_like(tensor).fill_(0) for name, tensor in tensors.items()}
+    started = time.monotonic()
+    for name, tensor in tensors.items():
+        targets[name].copy_(tensor)
+    return time.monotonic() - started
+
+
+@dataclass
+class UpdateTimes:
+    """One update, as the actor recorded it (Actor.updates) and the engine's staging window."""
+
+    announced_to_serving_s: float
+    """From the announcement until resume_generation returned."""
+    pause_s: float
+    """Generation stalled: from the call to pause_generation until resume_generation returned."""
+    stage_s: float
+    """Read, hash and copy into memory (VerifiedWeights.seconds): before the pause, or inside it (before)."""
+    swap_s: float
+    """collective_rpc("lockstep_reload"): vLLM's workers read the copy and reload it."""
+    pausing_s: float
+    resuming_s: float
+
+    @classmethod
+    def of(cls, update: dict[str, Any], announced: float) -> UpdateTimes:
+        pause_called = update["pausedAt"] - update["pauseSeconds"]
+        return cls(
+            announced_to_serving_s=update["resumedAt"] - announced,
+            pause_s=update["resumedAt"] - pause_called,
+            stage_s=update["stageSeconds"],
+            swap_s=update["loadSeconds"],
+            pausing_s=update["pauseSeconds"],
+            resuming_s=update["resumeSeconds"],
+        )
+
+
+@dataclass
+class ActorResult:
+    gigabytes: float
+    repeats: int
+    generating: int
+    copy_floor_s: float
+    """An in-memory copy of the version's bytes, while generation was paused."""
+    vllm_read_s: float
+    """vLLM's workers reading the staged copy into tensors (TimedReloader.lockstep_timed_reload), paused."""
+    vllm_reload_from_memory_s: float
+    """vLLM's reload_weights from tensors its worker already held, paused."""
+    before: UpdateTimes
+    """Staged inside the pause (the agent before issue 22's staging)."""
+    after: UpdateTimes
+    """Staged while generating (AgentCore and LoopEngine, as in a pod)."""
+    tokens_per_s_idle: float
+    tokens_per_s_staging: float
+    """Over every staging window together (after)."""
+    tokens_per_s_before_staging: float
+    """Over the before runs' staging windows (inside their pause)."""
+
+    @property
+    def ratios(self) -> str:
+        return (
+            f"pause/floor {self.after.pause_s / self.copy_floor_s:.2f}x,"
+            f" pause/reload-from-memory {self.after.pause_s / self.vllm_reload_from_memory_s:.2f}x,"
+            f" generation while staging {self.tokens_per_s_staging / self.tokens_per_s_idle:.0%}"
+        )
+
+
+ONCE_FROM_GIGABYTES = 0.75
+"""The actor part updates a model this large or larger once each way (its memory and minutes on this machine)."""
+
+
+def actor_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[ActorResult]:
+    """The actor's share over the filesystem transport (the module's docstring)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return [
+        asyncio.run(_actor_size(target, 1 if target >= ONCE_FROM_GIGABYTES else repeats, scratch)) for target in sizes
+    ]
+
+
+async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    shape = llama_shape(target)
+    model_dir = create_tiny_llama(
+        scratch / f"model-{target}",
+        vocab_size=VOCABULARY,
+        hidden_size=shape.hidden,
+        layers=shape.layers,
+        intermediate_size=shape.intermediate,
+    )
+    directory = (scratch / f"actor-{target}").resolve()
+    args = engine_args(str(model_dir), applied_settings(cpu_settings()))
+    args.worker_extension_cls = "lockstep_e2e.bench_reloader.TimedReloader"
+    llm = AsyncLLM.from_engine_args(args)
+    actor = Actor(llm)
+    origin = WeightsDirectory(directory)
+    engine = TimedEngine(LoopEngine(actor, asyncio.get_running_loop(), origin))
+    core = AgentCore(engine)
+    generation = Generation(llm)
+    idle: list[tuple[float, float]] = []
+    before: list[UpdateTimes] = []
+    after: list[UpdateTimes] = []
+    floors, reads, reloads = [], [], []
+    staging: list[tuple[float, float]] = []
+    before_staging: list[tuple[float, float]] = []
+    gigabytes, version = 0.0, 0
+    try:
+        for _ in range(repeats):
+            for staged_first in (True, False):
+                version += 1
+                state = llama_state_dict(target, seed=version)
+                gigabytes = round(size_of(state) / 1e9, 2)
+                weights = await asyncio.to_thread(publish, state, directory, version)
+                started = time.time()
+                await asyncio.sleep(IDLE_SECONDS)
+                idle.append((started, time.time()))
+                announced = time.time()
+                if staged_first:
+                    await asyncio.to_thread(barrier, core, weights)
+                    after.append(UpdateTimes.of(actor.updates[-1], announced))
+                    staging.append(engine.staging[-1])
+                    # The floor and vLLM's reload from memory, as the swap would run: paused, the copy staged.
+                    with await asyncio.to_thread(origin.read, weights) as verified:
+                        await llm.pause_generation(mode="keep", clear_cache=False)
+                        floors.append(copy_floor(state))
+                        [timed] = await llm.collective_rpc("lockstep_timed_reload", args=(verified.path,))
+                        await llm.resume_generation()
+                    reads.append(timed["read"])
+                    reloads.append(timed["reload"])
+                else:
+                    await asyncio.to_thread(staged_inside_the_pause, engine, weights)
+                    before.append(UpdateTimes.of(actor.updates[-1], announced))
+                    before_staging.append(engine.staging[-1])
+                    core.loaded = weights
+                del state
+        result = ActorResult(
+            gigabytes=gigabytes,
+            repeats=repeats,
+            generating=GENERATING,
+            copy_floor_s=_median(floors),
+            vllm_read_s=_median(reads),
+            vllm_reload_from_memory_s=_median(reloads),
+            before=_median_times(before),
+            after=_median_times(after),
+            tokens_per_s_idle=round(generation.tokens(idle), 1),
+            tokens_per_s_staging=round(generation.tokens(staging), 1),
+            tokens_per_s_before_staging=round(generation.tokens(before_staging), 1),
+        )
+    finally:
+        await generation.stop()
+        llm.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
+    print(
+        f"{result.gigabytes:5.2f} GB: floor {result.copy_floor_s:.3f} s, vLLM read {result.vllm_read_s:.3f} s"
+        f" + reload from memory {result.vllm_reload_from_memory_s:.3f} s | before: {_times(result.before)}"
+        f" | after: {_times(result.after)} | tokens/s idle {result.tokens_per_s_idle}, staging"
+        f" {result.tokens_per_s_staging}, staging inside the pause {result.tokens_per_s_before_staging}"
+        f" | {result.ratios}",
+        flush=True,
+    )
+    return result
+
+
+PARTS: dict[str, Callable[[list[float], int, float, Path], Sequence[object]]] = {
+    "publish": publish_part,
+    "actor": actor_part,
+}
 
 
 def main() -> None:
