@@ -1,6 +1,6 @@
 """Benchmark: weight updates at real model sizes, on random Llama-shaped state dicts (fp32, made in memory).
 
-``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts publish]``
+``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts publish actor]``
 (``make bench-weights``). Each part measures one share of an update and prints its table; all write
 out/benchmarks/weights.json.
 
@@ -14,6 +14,19 @@ stand-in for a learning step), then gathers the weights (the stand-in: a copy of
 For each: the trainer's blocked time per publish, the time from the step's end until the version could be
 announced, and (after) the background publish's own time and the step's compute rate while it ran, against a step
 with no publish. Medians over the repeats.
+
+**actor**, an actor's share over the filesystem transport: the real ``Actor`` (vLLM V1 on the CPU, the locked
+settings in fp32) serves a random Llama of each size (``llama_shape``) while ``GENERATING`` requests keep
+generating. Each repeat publishes two versions and updates the actor to each (once each at ``ONCE_FROM_GIGABYTES``
+and above):
+- after: the barrier as a pod's agent carries it out (``AgentCore`` over ``LoopEngine``: Update stages the version
+  while vLLM generates, then pauses and swaps; Resume resumes);
+- before: the same calls in the order the agent made them up to issue 22's staging (pause, read and verify, swap,
+  resume).
+For each: announcement → serving, the pause (from the call to pause_generation until resume_generation returns)
+and its parts. Beside them, while generation is paused, the floor (an in-memory copy of the version's bytes) and
+vLLM's own reload from tensors its worker already holds (``bench_reloader``); and tokens/s over the staging
+windows against tokens/s over the idle windows before each update.
 
 Not a test: nothing here asserts a time.
 """
