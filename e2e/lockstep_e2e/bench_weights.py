@@ -339,14 +339,17 @@ def staged_inside_the_pause(engine: TimedEngine, weights: Weights) -> None:
     engine.resume()
 
 
-def copy_floor(tensors: dict[str, torch.Tensor]) -> float:
+def copy_floor(tensors: dict[str, torch.Tensor], copies: int = 3) -> float:
     """Seconds to copy every tensor into one preallocated (and written, so no page is faulted in) beside it: the
-    floor of a swap of these bytes."""
+    floor of a swap of these bytes. The median of ``copies``."""
     targets = {name: torch.empty_like(tensor).fill_(0) for name, tensor in tensors.items()}
-    started = time.monotonic()
-    for name, tensor in tensors.items():
-        targets[name].copy_(tensor)
-    return time.monotonic() - started
+    seconds = []
+    for _ in range(copies):
+        started = time.monotonic()
+        for name, tensor in tensors.items():
+            targets[name].copy_(tensor)
+        seconds.append(time.monotonic() - started)
+    return statistics.median(seconds)
 
 
 @dataclass
@@ -383,7 +386,7 @@ class ActorResult:
     repeats: int
     generating: int
     copy_floor_s: float
-    """An in-memory copy of the version's bytes, while generation was paused."""
+    """An in-memory copy of the version's bytes, while generation was paused (the median of 3 each time)."""
     vllm_read_s: float
     """vLLM's workers reading the staged copy into tensors (TimedReloader.lockstep_timed_reload), paused."""
     vllm_reload_from_memory_s: float
