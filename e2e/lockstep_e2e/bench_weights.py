@@ -323,6 +323,19 @@ class TimedEngine:
         self.engine.resume()
 
 
+def served_model(gigabytes: float, directory: Path) -> Path:
+    """A model directory (config, random weights, a tokenizer) of ``llama_shape(gigabytes)``: the actor serves it,
+    then loads the state dicts ``llama_state_dict`` makes of that size."""
+    shape = llama_shape(gigabytes)
+    return create_tiny_llama(
+        directory,
+        vocab_size=VOCABULARY,
+        hidden_size=shape.hidden,
+        layers=shape.layers,
+        intermediate_size=shape.intermediate,
+    )
+
+
 def barrier(core: AgentCore, weights: Weights) -> None:
     """The barrier as a member's agent sees it: Update (stage, pause, swap), then Resume."""
     for phase in (BarrierPhase.UPDATE, BarrierPhase.RESUME):
@@ -425,14 +438,7 @@ def actor_part(sizes: list[float], repeats: int, step_seconds: float, scratch: P
 async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    shape = llama_shape(target)
-    model_dir = create_tiny_llama(
-        scratch / f"model-{target}",
-        vocab_size=VOCABULARY,
-        hidden_size=shape.hidden,
-        layers=shape.layers,
-        intermediate_size=shape.intermediate,
-    )
+    model_dir = served_model(target, scratch / f"model-{target}")
     directory = (scratch / f"actor-{target}").resolve()
     args = engine_args(str(model_dir), applied_settings(cpu_settings()))
     args.worker_extension_cls = "lockstep_e2e.bench_reloader.TimedReloader"
