@@ -1,8 +1,8 @@
 """Benchmark: weight updates at real model sizes, on random Llama-shaped state dicts (fp32, made in memory).
 
-``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts publish actor]``
-(``make bench-weights``). Each part measures one share of an update and prints its table; all write
-out/benchmarks/weights.json.
+``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts ...]``
+(``make bench-weights``; the parts: publish, actor, gloo). Each part measures one share of an update and prints its
+table; all write out/benchmarks/weights.json.
 
 **publish**, the trainer's share: each of ``repeats`` steps computes for ``step-seconds`` (matrix products, the
 stand-in for a learning step), then gathers the weights (the stand-in: a copy of the state dict, which is what
@@ -23,6 +23,9 @@ and above):
   while vLLM generates, then pauses and swaps; Resume resumes);
 - before: the same calls in the order the agent made them up to issue 22's staging (pause, read and verify, swap,
   resume).
+**gloo**, the same over gloo: trainer rank 0 (``transfer.Sender`` under an ``AgentCore`` of its own, and its
+``ManifestServer``) runs in this process. Staging is fetching and checking the transfer's manifest; the receive is
+the swap, inside the pause.
 For each: announcement → serving, the pause (from the call to pause_generation until resume_generation returns)
 and its parts. Beside them, while generation is paused, the floor (an in-memory copy of the version's bytes) and
 vLLM's own reload from tensors its worker already holds (``bench_reloader``); and tokens/s over the staging
@@ -50,13 +53,16 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from lockstep.api import WeightSyncBackend
 from lockstep.protocol import BarrierPhase, Command, TransferGroup, Weights
 from lockstep_e2e.benchmarks import write_results
+from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
 from lockstep_workers.actor import Actor, LoopEngine, applied_settings, engine_args
 from lockstep_workers.agent import AgentCore, Staged
 from lockstep_workers.tiny_model import create_tiny_llama
-from lockstep_workers.weights import Publisher, WeightsDirectory, digest_of, publish, version_path
+from lockstep_workers.transfer import ManifestServer, Sender, TrainerManifests, manifest_uri
+from lockstep_workers.weights import Publisher, WeightsDirectory, WeightsOrigin, digest_of, publish, version_path
 
 VOCABULARY = 16384
 
@@ -336,20 +342,30 @@ def served_model(gigabytes: float, directory: Path) -> Path:
     )
 
 
-def barrier(core: AgentCore, weights: Weights) -> None:
-    """The barrier as a member's agent sees it: Update (stage, pause, swap), then Resume."""
-    for phase in (BarrierPhase.UPDATE, BarrierPhase.RESUME):
-        command = Command(id=f"bench/{weights.version}", phase=phase, **weights.model_dump())
+def barrier(core: AgentCore, weights: Weights, group: TransferGroup | None, phases: tuple[BarrierPhase, ...]) -> None:
+    """The barrier's ``phases`` as a member's agent sees them: Update (stage, pause, swap; ``group``, the member's
+    ranks in the transfer group, if any), then Resume."""
+    for phase in phases:
+        command = Command(
+            id=f"bench/{weights.version}",
+            phase=phase,
+            group=group if phase is BarrierPhase.UPDATE else None,
+            **weights.model_dump(),
+        )
         if (error := core.handle(command).error) is not None:
             raise RuntimeError(f"the agent failed {phase.value}: {error}")
 
 
-def staged_inside_the_pause(engine: TimedEngine, weights: Weights) -> None:
-    """What the agent did before issue 22's staging: pause, then read and verify the file, swap, resume."""
+def staged_inside_the_pause(engine: TimedEngine, weights: Weights, group: TransferGroup | None) -> None:
+    """What the agent did before issue 22's staging: pause, then read and verify the file (or fetch and check the
+    transfer's manifest), swap, resume."""
     engine.pause()
-    with contextlib.closing(engine.stage(weights, None)) as staged:
+    with contextlib.closing(engine.stage(weights, group)) as staged:
         engine.swap(staged)
     engine.resume()
+
+
+UPDATE = (BarrierPhase.UPDATE,)
 
 
 def copy_floor(tensors: dict[str, torch.Tensor], copies: int = 3) -> float:
@@ -395,6 +411,7 @@ class UpdateTimes:
 
 @dataclass
 class ActorResult:
+    transport: str
     gigabytes: float
     repeats: int
     generating: int
@@ -429,22 +446,40 @@ ONCE_FROM_GIGABYTES = 0.75
 
 def actor_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[ActorResult]:
     """The actor's share over the filesystem transport (the module's docstring)."""
+    return _actor_sizes(sizes, repeats, scratch, WeightSyncBackend.FILESYSTEM)
+
+
+def gloo_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[ActorResult]:
+    """The actor's share over gloo, trainer rank 0 (``transfer.Sender``) in this process (the module's docstring)."""
+    return _actor_sizes(sizes, repeats, scratch, WeightSyncBackend.GLOO)
+
+
+def _actor_sizes(sizes: list[float], repeats: int, scratch: Path, backend: WeightSyncBackend) -> list[ActorResult]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return [
-        asyncio.run(_actor_size(target, 1 if target >= ONCE_FROM_GIGABYTES else repeats, scratch)) for target in sizes
+        asyncio.run(_actor_size(target, 1 if target >= ONCE_FROM_GIGABYTES else repeats, scratch, backend))
+        for target in sizes
     ]
 
 
-async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult:
+async def _actor_size(target: float, repeats: int, scratch: Path, backend: WeightSyncBackend) -> ActorResult:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     model_dir = served_model(target, scratch / f"model-{target}")
-    directory = (scratch / f"actor-{target}").resolve()
-    args = engine_args(str(model_dir), applied_settings(cpu_settings()))
+    directory = (scratch / f"{backend.value}-{target}").resolve()
+    args = engine_args(str(model_dir), applied_settings(cpu_settings()), backend)
     args.worker_extension_cls = "lockstep_e2e.bench_reloader.TimedReloader"
     llm = AsyncLLM.from_engine_args(args)
-    actor = Actor(llm)
-    origin = WeightsDirectory(directory)
+    actor = Actor(llm, backend=backend)
+    files = WeightsDirectory(directory)
+    origin: WeightsOrigin = files
+    group = trainer = manifests = None
+    if backend.collective:
+        http_port, rendezvous = free_port(), f"127.0.0.1:{free_port()}"
+        manifests = ManifestServer(directory, http_port, rendezvous)
+        origin = TrainerManifests("127.0.0.1", http_port)
+        trainer = AgentCore(Sender(directory, rendezvous, backend))
+        group = TransferGroup(rank_offset=1, world_size=2)
     engine = TimedEngine(LoopEngine(actor, asyncio.get_running_loop(), origin))
     core = AgentCore(engine)
     generation = Generation(llm)
@@ -461,17 +496,31 @@ async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult
                 version += 1
                 state = llama_state_dict(target, seed=version)
                 gigabytes = round(size_of(state) / 1e9, 2)
-                weights = await asyncio.to_thread(publish, state, directory, version)
+                published = await asyncio.to_thread(publish, state, directory, version)
+                weights = published
+                if isinstance(origin, TrainerManifests):
+                    weights = published.model_copy(update={"uri": manifest_uri(origin.host, origin.port, version)})
                 started = time.time()
                 await asyncio.sleep(IDLE_SECONDS)
                 idle.append((started, time.time()))
                 announced = time.time()
+                sending = None
+                if trainer is not None:  # trainer rank 0 stages (checks its file) and sends when the actor receives
+                    sending = asyncio.create_task(
+                        asyncio.to_thread(barrier, trainer, weights, TransferGroup(rank_offset=0, world_size=2), UPDATE)
+                    )
                 if staged_first:
-                    await asyncio.to_thread(barrier, core, weights)
+                    await asyncio.to_thread(barrier, core, weights, group, (*UPDATE, BarrierPhase.RESUME))
+                else:
+                    await asyncio.to_thread(staged_inside_the_pause, engine, weights, group)
+                    core.loaded = weights
+                if sending is not None:
+                    await sending
+                if staged_first:
                     after.append(UpdateTimes.of(actor.updates[-1], announced))
                     staging.append(engine.staging[-1])
                     # The floor and vLLM's reload from memory, as the swap would run: paused, the copy staged.
-                    with await asyncio.to_thread(origin.read, weights) as verified:
+                    with await asyncio.to_thread(files.read, published) as verified:
                         await llm.pause_generation(mode="keep", clear_cache=False)
                         floors.append(copy_floor(state))
                         [timed] = await llm.collective_rpc("lockstep_timed_reload", args=(verified.path,))
@@ -479,12 +528,11 @@ async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult
                     reads.append(timed["read"])
                     reloads.append(timed["reload"])
                 else:
-                    await asyncio.to_thread(staged_inside_the_pause, engine, weights)
                     before.append(UpdateTimes.of(actor.updates[-1], announced))
                     before_staging.append(engine.staging[-1])
-                    core.loaded = weights
                 del state
         result = ActorResult(
+            transport=backend.value,
             gigabytes=gigabytes,
             repeats=repeats,
             generating=GENERATING,
@@ -500,10 +548,13 @@ async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult
     finally:
         await generation.stop()
         llm.shutdown()
+        if manifests is not None:
+            manifests.close()
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(model_dir, ignore_errors=True)
     print(
-        f"{result.gigabytes:5.2f} GB: floor {result.copy_floor_s:.3f} s, vLLM read {result.vllm_read_s:.3f} s"
+        f"{result.transport}, {result.gigabytes:5.2f} GB: floor {result.copy_floor_s:.3f} s,"
+        f" vLLM read {result.vllm_read_s:.3f} s"
         f" + reload from memory {result.vllm_reload_from_memory_s:.3f} s | before: {_times(result.before)}"
         f" | after: {_times(result.after)} | tokens/s idle {result.tokens_per_s_idle}, staging"
         f" {result.tokens_per_s_staging}, staging inside the pause {result.tokens_per_s_before_staging}"
@@ -516,6 +567,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path) -> ActorResult
 PARTS: dict[str, Callable[[list[float], int, float, Path], Sequence[object]]] = {
     "publish": publish_part,
     "actor": actor_part,
+    "gloo": gloo_part,
 }
 
 
