@@ -30,6 +30,7 @@ def create_tiny_llama(
     vocab_size: int = 256,
     hidden_size: int = 128,
     layers: int = 2,
+    intermediate_size: int | None = None,
     dtype: str = "float32",
     seed: int = 0,
     head_scale: float = 1.0,
@@ -38,7 +39,8 @@ def create_tiny_llama(
 ) -> Path:
     """Write a random Llama (config, safetensors weights, tokenizer) to ``directory`` and return it.
 
-    head_dim is 64: the CPU attention kernel rejects smaller heads. ``head_scale`` multiplies the lm_head. The
+    head_dim is 64: the CPU attention kernel rejects smaller heads. The MLP is ``intermediate_size`` wide (twice
+    ``hidden_size`` unless given). ``head_scale`` multiplies the lm_head. The
     vocabulary holds ``words`` (vocabulary); the tokenizer has ``chat_template`` if given.
     """
     import torch
@@ -52,7 +54,7 @@ def create_tiny_llama(
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
