@@ -81,10 +81,18 @@ class Manifest(Model):
         return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
 
 
-@functools.lru_cache(maxsize=8)
+_MANIFESTS = threading.Lock()
+
+
 def manifest_of(path: Path, version: int, rendezvous: str) -> Manifest:
-    """The manifest of a published weights file, from its header and its digest (computed once: a published
-    version is never rewritten)."""
+    """The manifest of a published weights file, from its header and its digest: computed once (a published
+    version is never rewritten), however many ask for it at once (every actor of a barrier, and the sender)."""
+    with _MANIFESTS:
+        return _manifest_of(path, version, rendezvous)
+
+
+@functools.lru_cache(maxsize=8)
+def _manifest_of(path: Path, version: int, rendezvous: str) -> Manifest:
     names, dtypes, shapes = [], [], []
     with safe_open(str(path), "pt") as checkpoint:
         for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)

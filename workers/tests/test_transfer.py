@@ -22,6 +22,41 @@ def _nccl_ready() -> bool:
     return torch.cuda.device_count() >= 2 and "cpu" not in __import__("vllm").__version__
 
 
+def test_a_manifest_asked_for_by_many_at_once_hashes_its_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every actor of a barrier and the sender ask for a version's manifest as the barrier opens."""
+    import torch
+
+    from lockstep_workers import transfer
+    from lockstep_workers.weights import digest_of, publish, version_path
+
+    publish({"w": torch.ones(4)}, tmp_path, version=7)
+    hashing, go_on = threading.Event(), threading.Event()
+    hashed: list[Path] = []
+
+    def slow_digest(path: Path) -> str:
+        hashed.append(path)
+        hashing.set()
+        go_on.wait(timeout=30)
+        return digest_of(path)
+
+    monkeypatch.setattr(transfer, "digest_of", slow_digest)
+    path = version_path(tmp_path, 7)
+    manifests: list[Any] = []
+    first = threading.Thread(target=lambda: manifests.append(transfer.manifest_of(path, 7, "t:1")))
+    second = threading.Thread(target=lambda: manifests.append(transfer.manifest_of(path, 7, "t:1")))
+    first.start()
+    assert hashing.wait(timeout=30)
+    hashing.clear()
+    second.start()
+    hashing.wait(timeout=1)  # the second would hash too, were it not made to wait for the first
+    go_on.set()
+    first.join()
+    second.join()
+    assert hashed == [path] and manifests[0] == manifests[1]
+
+
 def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_path: Path) -> None:
     import torch
 
