@@ -350,7 +350,9 @@ def barrier(core: AgentCore, weights: Weights, group: TransferGroup | None, phas
             id=f"bench/{weights.version}",
             phase=phase,
             group=group if phase is BarrierPhase.UPDATE else None,
-            **weights.model_dump(),
+            version=weights.version,
+            uri=weights.uri,
+            digest=weights.digest,
         )
         if (error := core.handle(command).error) is not None:
             raise RuntimeError(f"the agent failed {phase.value}: {error}")
