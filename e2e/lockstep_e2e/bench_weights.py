@@ -60,7 +60,7 @@ from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
 from lockstep_workers.actor import Actor, LoopEngine, applied_settings, engine_args
 from lockstep_workers.agent import AgentCore, Staged
-from lockstep_workers.tiny_model import create_tiny_llama
+from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
 from lockstep_workers.transfer import ManifestServer, Sender, TrainerManifests, manifest_uri
 from lockstep_workers.weights import Publisher, WeightsDirectory, WeightsOrigin, digest_of, publish, version_path
 
@@ -254,23 +254,6 @@ IDLE_SECONDS = 3.0
 GENERATING = 4
 """Requests kept generating on the actor throughout."""
 PROMPT = [1, 10, 11, 12, 13]
-
-
-def cpu_settings() -> Any:
-    """The default ParityPolicy's locked vLLM settings in fp32 on this CPU (as workers/tests/test_actor.py's)."""
-    from lockstep.api import VllmSettings
-    from lockstep.parity import default_policy
-
-    return VllmSettings(
-        **{
-            **default_policy().spec.vllm.model_dump(),
-            "dtype": "float32",
-            "enforce_eager": True,
-            "max_model_len": 512,
-            "gpu_memory_utilization": 0.2,
-            "seed": 0,
-        }
-    )
 
 
 class Generation:
@@ -469,7 +452,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
 
     model_dir = served_model(target, scratch / f"model-{target}")
     directory = (scratch / f"{backend.value}-{target}").resolve()
-    args = engine_args(str(model_dir), applied_settings(cpu_settings()), backend)
+    args = engine_args(str(model_dir), applied_settings(cpu_vllm_settings()), backend)
     args.worker_extension_cls = "lockstep_e2e.bench_reloader.TimedReloader"
     llm = AsyncLLM.from_engine_args(args)
     actor = Actor(llm, backend=backend)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lockstep.api import VllmSettings
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 CHAT_TEMPLATE = (
@@ -82,3 +86,21 @@ def create_tiny_llama(
         chat_template=chat_template,
     ).save_pretrained(directory)
     return directory
+
+
+def cpu_vllm_settings() -> VllmSettings:
+    """The default ParityPolicy's locked vLLM settings, in fp32 on this CPU (for the tests and benchmarks that
+    serve these models with the real actor)."""
+    from lockstep.api import VllmSettings
+    from lockstep.parity import default_policy
+
+    return VllmSettings(
+        **{
+            **default_policy().spec.vllm.model_dump(),
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 512,
+            "gpu_memory_utilization": 0.2,
+            "seed": 0,
+        }
+    )

@@ -56,23 +56,6 @@ def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Any
     return updated, publish(updated, directory, version=1)
 
 
-def locked_settings() -> Any:
-    """The default ParityPolicy's locked vLLM settings, for the tiny model in fp32 on this CPU."""
-    from lockstep.api import VllmSettings
-    from lockstep.parity import default_policy
-
-    return VllmSettings(
-        **{
-            **default_policy().spec.vllm.model_dump(),
-            "dtype": "float32",
-            "enforce_eager": True,
-            "max_model_len": 512,
-            "gpu_memory_utilization": 0.2,
-            "seed": 0,
-        }
-    )
-
-
 def assert_spans_the_update(result: dict[str, Any], model_dir: Path, updated: dict[str, Any]) -> None:
     """The long request ran before and after the update to version 1, each token's logprob exact under the
     weights it was sampled with."""
@@ -96,14 +79,14 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_workers.actor import Actor, applied_settings, engine_args
-    from lockstep_workers.tiny_model import create_tiny_llama
+    from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
     from lockstep_workers.weights import DigestMismatch, WeightsDirectory
 
     model_dir = create_tiny_llama(tmp_path / "model")
     updated, weights = updated_model(model_dir, tmp_path / "weights")
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(locked_settings())))
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(cpu_vllm_settings())))
         actor = Actor(llm)
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))

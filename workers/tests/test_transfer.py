@@ -95,12 +95,12 @@ def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_pa
 )
 def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend: WeightSyncBackend) -> None:
     import torch
-    from test_actor import LONG_REQUEST, PROMPT, assert_spans_the_update, locked_settings, updated_model
+    from test_actor import LONG_REQUEST, PROMPT, assert_spans_the_update, updated_model
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_e2e.cluster import free_port
     from lockstep_workers.actor import Actor, applied_settings, engine_args
-    from lockstep_workers.tiny_model import create_tiny_llama
+    from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
     from lockstep_workers.transfer import ManifestServer, StagedTransfer, manifest_of, manifest_uri, send
     from lockstep_workers.weights import version_path
 
@@ -124,7 +124,7 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
             sent.append(error)
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(locked_settings()), backend))
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(cpu_vllm_settings()), backend))
         actor = Actor(llm, backend=backend)
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
