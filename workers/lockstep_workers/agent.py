@@ -99,7 +99,11 @@ class AgentCore:
         weights = Weights(version=command.version, uri=command.uri, digest=command.digest)
         error = None
         try:
-            if command.phase is not BarrierPhase.PAUSE and (self.loaded != weights or command.group is not None):
+            holds = self.loaded is not None and (self.loaded.version, self.loaded.digest) == (
+                weights.version,
+                weights.digest,
+            )
+            if command.phase is not BarrierPhase.PAUSE and (not holds or command.group is not None):
                 # Staged while the engine still generates; paused only for the swap. An agent that restarted
                 # mid-barrier may see Update or Resume first: it still stages, pauses, swaps and resumes in that
                 # order. A member of a transfer group always takes part.

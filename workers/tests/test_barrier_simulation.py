@@ -320,6 +320,16 @@ def test_a_staged_copy_is_freed_once_its_ack_is_written_and_always_before_the_ne
     assert isinstance(agent.swapped, FakeStaged) and agent.swapped.weights.version == 3
 
 
+def test_weights_the_member_holds_are_not_staged_again_whatever_size_their_announcement_gave() -> None:
+    """The initial weights come from the committed document (with its size); a command names no size."""
+    engine = FakeEngine()
+    agent = AgentCore(engine)
+    agent.start(weights(1).model_copy(update={"bytes": 4096}))
+    held = weights(1)
+    agent.handle(Command(id="job/1/1", version=1, uri=held.uri, digest=held.digest, phase=BarrierPhase.RESUME))
+    assert engine.calls == ["stage 1", "swap 1", "pause", "resume"], "started on it: paused and resumed only"
+
+
 def test_a_failed_swap_leaves_the_member_paused_on_its_old_weights_until_asked_again() -> None:
     engine = FakeEngine(fail_next="swap")
     agent = AgentCore(engine)
