@@ -17,7 +17,8 @@ from lockstep.events import JobKey, PassScope
 class WorkQueue:
     """Runs ``work(key, scope)``, a pass, on the thread that asks for one. A request for a job whose pass is running
     marks it dirty: one more pass follows, of the widest scope asked for meanwhile. A pass that raises ends the
-    job's run (what was asked meanwhile waits for the next request)."""
+    job's run, and the exception goes to the caller; what was asked for meanwhile runs after the next request's
+    pass."""
 
     def __init__(self, work: Callable[[JobKey, PassScope], None]) -> None:
         self._work = work
