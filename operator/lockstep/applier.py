@@ -24,7 +24,6 @@ from lockstep.api import RLJobStatus
 from lockstep.events import AckGate, JobKey
 from lockstep.reconcile import Plan
 from lockstep.reconcile.context import Event
-from lockstep.world import World
 
 logger = logging.getLogger("lockstep.applier")
 
@@ -60,6 +59,24 @@ class ApplierClient(Protocol):
     def post_event(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None: ...
 
     def delete_job(self, namespace: str, name: str) -> None: ...
+
+
+class WriteRecord(Protocol):
+    """Where the Applier records its writes for the next pass to see (lockstep.world.World)."""
+
+    def expect_writes(self, key: JobKey, annotate: dict[str, dict[str, str]], delete: list[str]) -> None: ...
+
+    def pod_created(self, key: JobKey, pod: dict[str, Any]) -> None: ...
+
+    def has_pod(self, key: JobKey, name: str) -> bool: ...
+
+    def relist_pods(self, key: JobKey) -> None: ...
+
+    def name_taken(self, key: JobKey, name: str, metadata: dict[str, Any]) -> None: ...
+
+    def taken(self, key: JobKey) -> set[str]: ...
+
+    def wrote_status(self, key: JobKey, written: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +117,7 @@ class Applier:
     """Writes a plan (``apply``, then ``announce`` for an ``Applied``), remembering which children were applied so
     that a pass that changes none of them sends none."""
 
-    def __init__(self, client: ApplierClient, world: World, pod_writers: Executor) -> None:
+    def __init__(self, client: ApplierClient, world: WriteRecord, pod_writers: Executor) -> None:
         self._client = client
         self._world = world
         self._pod_writers = pod_writers
