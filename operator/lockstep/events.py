@@ -20,6 +20,9 @@ from typing import Any
 from lockstep import keys
 from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, parse_ack
 
+JobKey = tuple[str, str]
+"""A job's (namespace, name): what its passes, its pods and its gate are kept under."""
+
 
 @dataclass(frozen=True)
 class PodFacts:

@@ -5,6 +5,11 @@ worker task per pod, a deep-copied diff base and progress storage per event); th
 callback as the API server sent it. It lists first and watches from the list's resourceVersion, with bookmarks;
 when that revision has expired (410 Gone) it lists again, and the list replaces what the watch had delivered, so
 a deletion missed meanwhile is seen too.
+
+Not the kubernetes client's ``Watch.stream``: by default it builds a model object of every event, and with
+``deserialize=False`` (kubernetes 37) it fails on the ERROR event that reports an expired revision (it reads the
+event's ``raw_object``, which only its decoding sets); this watch reads the response with that module's own line
+reader, ``iter_resp_lines``.
 """
 
 from __future__ import annotations

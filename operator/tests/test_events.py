@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockstep import keys
-from lockstep.controller import merge_patch
+from lockstep.applier import merge_patch
 from lockstep.events import AckGate, AckVerdict, PassScope, PodCache, PodFacts, pass_for
 from lockstep.protocol import PROTOCOL, BarrierPhase
 

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from kubernetes import client
 
-from lockstep.controller import _write_pod
+from lockstep.kubeclient import write_pod
 
 
 class _Answer(BaseHTTPRequestHandler):
@@ -47,5 +47,5 @@ def test_pod_writes_in_a_row_share_one_connection(server: ThreadingHTTPServer) -
     configuration.host = f"http://127.0.0.1:{server.server_address[1]}"
     core = client.CoreV1Api(client.ApiClient(configuration))
     for _ in range(5):
-        _write_pod(core.patch_namespaced_pod, "p", "ns", {"metadata": {"annotations": {"a": "b"}}})
+        write_pod(core.patch_namespaced_pod, "p", "ns", {"metadata": {"annotations": {"a": "b"}}})
     assert _Answer.connections == 1, "each write opened a connection of its own"

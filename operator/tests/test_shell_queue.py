@@ -1,6 +1,6 @@
-"""The shell's work queue (lockstep.controller.Shell: running, dirty, the ack gate, the pod cache), driven one step
-at a time on one thread: a fake answers the few client calls a pass makes, and a weights announcement is delivered
-at every point of a pass that closes a barrier (issue 21 item 8: a lost wake-up)."""
+"""The shell's work queue with its World and Applier (lockstep.controller.Shell: running, dirty, the ack gate,
+the pod cache), driven one step at a time on one thread: a fake answers the few client calls a pass makes, and a
+weights announcement is delivered at every point of a pass that closes a barrier (issue 21 item 8: a lost wake-up)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class Inline:
 
 
 class HookedLock:
-    """The shell's guard, calling ``hook`` each time it is released: a point where another thread could run."""
+    """A guard of one of the shell's parts, calling ``hook`` each time it is released: a point where another thread
+    could run."""
 
     def __init__(self, hook: Callable[[], None]) -> None:
         self.lock = threading.Lock()
@@ -142,17 +143,21 @@ class Run:
         self.world = World({**body, "metadata": {**body["metadata"]}}, pods, self.point)
         self.timers: list[float] = []
         shell = Shell(client.ApiClient())
-        shell.core = shell.custom = shell.rbac = shell.networking = Fake(self.world)  # type: ignore[assignment]
-        shell._passes = shell._pods_pool = Inline()  # type: ignore[assignment]
-        shell._guard = HookedLock(self.point)  # type: ignore[assignment]
-        shell._wake_in = lambda _key, seconds: self.timers.append(seconds)  # type: ignore[method-assign]
-        shell._policies = {"default": policy()}
-        shell._namespaces[NAMESPACE] = {"metadata": {"name": NAMESPACE, "labels": {}}}
+        kube = shell.kube
+        kube.core = kube.custom = kube.rbac = kube.networking = Fake(self.world)  # type: ignore[assignment]
+        shell._passes = shell.applier._pod_writers = Inline()  # type: ignore[assignment]
+        for part in (shell.world, shell.queue, shell.applier):
+            part._guard = HookedLock(self.point)  # type: ignore[assignment]
+        shell.queue.wake_in = lambda _key, seconds: self.timers.append(seconds)  # type: ignore[method-assign]
+        shell.world._policies = {"default": policy()}
+        shell.world._namespaces[NAMESPACE] = {"metadata": {"name": NAMESPACE, "labels": {}}}
         self.shell = shell
         with self.quiet():
             shell.job_event(NAMESPACE, JOB, json.loads(json.dumps(self.world.job)))
             shell.pods_listed(list(self.world.pods.values()), str(self.world.revision))  # a whole pass
-        assert shell._gates[NAMESPACE, JOB].waiting == {pods[1]["metadata"]["name"]}, "Resume waits for the last ack"
+        assert shell.world._gates[NAMESPACE, JOB].waiting == {pods[1]["metadata"]["name"]}, (
+            "Resume waits for the last ack"
+        )
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -217,8 +222,8 @@ def test_an_announcement_at_any_point_of_a_pass_closing_a_barrier_opens_the_next
     assert status.get("barrier", {}).get("version") == 4, (
         f"announced at point {point}, version 4 waits for a timer ({run.timers} s) or another event"
     )
-    assert run.shell._running == set() and run.shell._dirty == {}, "the queue is left idle"
-    assert run.shell._gates[NAMESPACE, JOB].phase.value == "Update"
+    assert run.shell.queue._running == set() and run.shell.queue._dirty == {}, "the queue is left idle"
+    assert run.shell.world._gates[NAMESPACE, JOB].phase.value == "Update"
 
 
 def test_the_announcement_is_never_taken_for_the_operators_own_write() -> None:
@@ -226,7 +231,7 @@ def test_the_announcement_is_never_taken_for_the_operators_own_write() -> None:
     run = Run()
     shell = run.shell
     trainer = f"{JOB}-trainer-0"
-    echo = json.loads(json.dumps(shell._pods[NAMESPACE, JOB].pods[trainer]))
+    echo = json.loads(json.dumps(shell.world._pods[NAMESPACE, JOB].pods[trainer]))
     echo["metadata"]["resourceVersion"] = run.world.bump()
     passes: list[PassScope] = []
     shell.request_soon = lambda _namespace, _name, scope=PassScope.FULL: passes.append(scope)  # type: ignore[method-assign]
