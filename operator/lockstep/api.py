@@ -371,14 +371,60 @@ class Algorithm(StrEnum):
     GRPO = "grpo"
 
 
-class TruncatedImportanceSampling(Model):
-    """Truncated importance sampling (TIS): each token's loss is weighted by min(pi_train / pi_rollout, cap)."""
+class CorrectionLevel(StrEnum):
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    GEOMETRIC = "geometric"
+
+
+class CorrectionMode(StrEnum):
+    TRUNCATE = "truncate"
+    MASK = "mask"
+
+
+CORRECTION_OFF_RULE = cel(
+    "self.enabled || !(has(self.level) || has(self.lower) || has(self.veto))",
+    "spec.trainer.objective.rolloutCorrection.enabled is false, so level, lower and veto would be ignored: remove "
+    "them, or set enabled: true",
+    field_path=".enabled",
+    reason="FieldValueInvalid",
+)
+
+
+class RolloutCorrection(Model):
+    """The rollout correction (docs/corrections.md): each term of the loss is weighted by a function of the
+    importance ratio rho = pi_proximal / pi_behaviour, the trainer's recomputed probability of a sampled token over
+    the rollout engine's. It is kept apart from the policy ratio pi_new / pi_proximal, which is clipped."""
+
+    model_config = ConfigDict(json_schema_extra=validations(CORRECTION_OFF_RULE))
 
     enabled: bool = Field(
-        False,
-        description="Weight each token by min(pi_train / pi_rollout, cap), correcting for what parity leaves.",
+        True,
+        description="Whether the loss is weighted; off, the metrics still measure what the weights would be.",
     )
-    cap: Annotated[float, Field(gt=1)] = Field(2.0, description="C in min(pi_train / pi_rollout, C).")
+    level: CorrectionLevel | None = Field(
+        None,
+        description="token: one weight per token, rho_t; sequence: one per sequence, the product of its tokens' "
+        "rho; geometric: one per sequence, their geometric mean (the length-normalised ratio). Unset: the level of "
+        "the algorithm's own ratio, token for ppo and grpo, geometric for gspo.",
+    )
+    mode: CorrectionMode = Field(
+        CorrectionMode.TRUNCATE,
+        description="truncate (TIS): the weight is clamped to [lower, upper]; mask (MIS, IcePop's band): a weight "
+        "outside [lower, upper] is 0 (its tokens stay in the loss's denominator), one inside is rho itself.",
+    )
+    upper: Annotated[float, Field(gt=1)] = Field(
+        2.0, description="The upper bound on the weight (TIS's cap C in min(rho, C))."
+    )
+    lower: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        None,
+        description="The lower bound on the weight. Unset: 0 (no lower clamp) for truncate, 1 / upper for mask.",
+    )
+    veto: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None,
+        description="A sequence with any token whose rho is below this gets weight 0 (verl's veto threshold, e.g. "
+        "1e-4). Unset: no veto.",
+    )
 
 
 class Objective(Model):
@@ -393,7 +439,12 @@ class Objective(Model):
     clip_epsilon_high: Annotated[float, Field(gt=0)] = Field(
         0.28, description="Upper clip range: the ratio is clipped above at 1 + clipEpsilonHigh."
     )
-    truncated_importance_sampling: TruncatedImportanceSampling = Field(default_factory=TruncatedImportanceSampling)
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection,
+        description="How the loss corrects for the behaviour policy (the rollout engine) differing from the "
+        "proximal policy (the trainer's recompute); by default truncated importance sampling with cap 2, at the "
+        "level of the algorithm's own ratio.",
+    )
     learning_rate: Annotated[float, Field(gt=0, le=1)] = Field(
         1e-6, description="The optimiser's (Adam) learning rate."
     )
