@@ -137,11 +137,69 @@ class BudgetAction(StrEnum):
     PAUSE = "Pause"
 
 
+class BudgetMetric(StrEnum):
+    """The step metrics a mismatch budget may name (docs/corrections.md): the trainer announces them every step in
+    lockstep.dev/mismatch, and the operator shows them in status.mismatch.metrics."""
+
+    ESS = "ess"
+    ROLLOUT_IS_EFF_SAMPLE_SIZE = "rollout_is_eff_sample_size"
+    ROLLOUT_IS_MEAN = "rollout_is_mean"
+    ROLLOUT_IS_RATIO_FRACTION_HIGH = "rollout_is_ratio_fraction_high"
+    ROLLOUT_IS_RATIO_FRACTION_LOW = "rollout_is_ratio_fraction_low"
+    ROLLOUT_IS_MASKED_FRACTION = "rollout_is_masked_fraction"
+    ROLLOUT_IS_VETO_FRACTION = "rollout_is_veto_fraction"
+    TRAINING_PPL = "training_ppl"
+    ROLLOUT_PPL = "rollout_ppl"
+    LOG_PPL_DIFF = "log_ppl_diff"
+    K3_KL = "k3_kl"
+    CHI2_TOKEN = "chi2_token"
+    CHI2_SEQ = "chi2_seq"
+    ROLLOUT_PROBS_DIFF_MEAN = "rollout_probs_diff_mean"
+    ROLLOUT_PROBS_DIFF_MAX = "rollout_probs_diff_max"
+    ROLLOUT_ACTOR_PROBS_PEARSON_CORR = "rollout_actor_probs_pearson_corr"
+    MEAN_ABS_LOGPROB_DIFF = "mean_abs_logprob_diff"
+    KL_NEW_OLD = "kl_new_old"
+    CLAMP_LOG_RATIO_NEW_OLD_INDICATOR = "clamp_log_ratio_new_old_indicator"
+    OUTSIDE_TOP_P_FRACTION = "outside_top_p_fraction"
+    ZERO_ADVANTAGE_GROUP_FRACTION = "zero_advantage_group_fraction"
+
+
+METRIC_LIMIT_RULE = cel(
+    "has(self.min) || has(self.max)",
+    "a mismatch budget limit needs min (exceeded below it), max (exceeded above it) or both (|x| <= 0.1: min -0.1, "
+    "max 0.1)",
+    field_path=".max",
+    reason="FieldValueRequired",
+)
+METRIC_LIMIT_ORDER_RULE = cel(
+    "!has(self.min) || !has(self.max) || self.min <= self.max",
+    "a mismatch budget limit's min is above its max, so every value exceeds it: swap them",
+    field_path=".min",
+    reason="FieldValueInvalid",
+)
+
+
+class MetricLimit(Model):
+    """One limit of the mismatch budget: a step whose metric is below min or above max exceeds it."""
+
+    model_config = ConfigDict(json_schema_extra=validations(METRIC_LIMIT_RULE, METRIC_LIMIT_ORDER_RULE))
+
+    metric: BudgetMetric = Field(description="The step metric held to the limit (docs/corrections.md).")
+    min: float | None = Field(None, description="The least value within the budget, e.g. 0.3 for an ESS.")
+    max: float | None = Field(None, description="The largest value within the budget, e.g. 0.1 for k3_kl.")
+
+
 class MismatchBudget(Model):
     mean_abs_logprob_diff: Annotated[float, Field(gt=0)] = Field(
         0.02,
         description="Largest mean |logprob_trainer - logprob_rollout| tolerated on tokens sampled under the "
         "trainer's current weights (numerics only: stale tokens from in-flight updates are not counted).",
+    )
+    limits: list[MetricLimit] = Field(
+        default_factory=list,
+        max_length=32,
+        description="More limits, on the step metrics the trainer announces (ESS, k3_kl, the masked fraction, "
+        "...): each trainer step is held to every one, as to meanAbsLogprobDiff.",
     )
     on_exceeded: BudgetAction = Field(
         BudgetAction.WARN,
