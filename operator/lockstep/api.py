@@ -458,7 +458,8 @@ class RolloutCorrection(Model):
 
     enabled: bool = Field(
         True,
-        description="Whether the loss is weighted; off, the metrics still measure what the weights would be.",
+        description="Whether the loss is weighted; off, every weight is 1, and rollout_is_mean and the fractions "
+        "beyond the bounds still measure rho.",
     )
     level: CorrectionLevel | None = Field(
         None,

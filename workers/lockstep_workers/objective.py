@@ -229,35 +229,33 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
     clipped = ((ratio.detach() < low) | (ratio.detach() > high)).float() * mask
     correction = rollout_correction(old, rollout, mask, objective)
     terms = surrogate * correction.weight * mask
+    sequences = has_tokens.sum()
     if objective.algorithm is Algorithm.PPO:
-        summed = -terms.sum()
-        clip = {"clipped": clipped.sum().item(), "clip_units": mask.sum().item()}
+        summed, units = -terms.sum(), mask.sum()
     else:
-        summed = -(terms.sum(dim=-1) / lengths.clamp(min=1)).sum()
-        if objective.algorithm is Algorithm.GSPO:  # one ratio, so one clip decision, per sequence
-            clip = {"clipped": clipped.amax(dim=-1).sum().item(), "clip_units": has_tokens.sum().item()}
-        else:
-            clip = {"clipped": clipped.sum().item(), "clip_units": mask.sum().item()}
-    units = loss_denominator(mask, objective)
-    loss = summed / max(units, 1.0)
+        summed, units = -(terms.sum(dim=-1) / lengths.clamp(min=1)).sum(), sequences
+    if objective.algorithm is Algorithm.GSPO:  # one ratio, so one clip decision, per sequence
+        clip = {"clipped": clipped.amax(dim=-1).sum(), "clip_units": sequences}
+    else:
+        clip = {"clipped": clipped.sum(), "clip_units": mask.sum()}
+    loss = summed / units.clamp(min=1)
     with torch.no_grad():
         x = log_ratio.detach()
-        sums = {
-            "loss": summed.item(),
-            "loss_units": units,
-            **clip,
-            "kl_new_old": ((torch.exp(x) - x - 1) * mask).sum().item(),
-        }
+        sums = {"loss": summed, "loss_units": units, **clip, "kl_new_old": ((torch.exp(x) - x - 1) * mask).sum()}
         mismatch, maxima = _mismatch(old, rollout, mask, correction)
         sums |= mismatch
         if batch.entropy is not None:
-            sums["entropy"] = (batch.entropy * mask).sum().item()
-    return loss, Statistics(sums, maxima)
+            sums["entropy"] = (batch.entropy * mask).sum()
+        values = torch.stack([t.double().reshape(()) for t in (*sums.values(), *maxima.values())]).tolist()
+    # One transfer to the host (one device synchronisation, not one per value).
+    return loss, Statistics(
+        dict(zip(sums, values[: len(sums)], strict=True)), dict(zip(maxima, values[len(sums) :], strict=True))
+    )
 
 
 def _mismatch(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, correction: Correction
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Sums (and the maxima) of the proximal-behaviour mismatch and of the correction's weights, in float64."""
     mask, kept = mask.double(), mask.bool()
     old, rollout = torch.where(kept, old, 0.0).double(), torch.where(kept, rollout, 0.0).double()
@@ -272,31 +270,31 @@ def _mismatch(
     raw, applied = correction.raw.double() * units, correction.applied.double() * units
     masked = (correction.weight == 0) & kept
     differences = (p - q).abs()
-    largest = {"probs_diff": differences.max().item() if differences.numel() else 0.0}
+    largest = {"probs_diff": differences.max() if differences.numel() else differences.new_zeros(())}
     sums = {
-        "tokens": mask.sum().item(),
-        "sequences": sequences.sum().item(),
-        "rho": rho.sum().item(),
-        "rho_squared": (rho**2).sum().item(),
-        "abs_logprob_diff": (log_rho.abs() * mask).sum().item(),
-        "k3_kl": ((torch.exp(log_rho) - log_rho - 1) * mask).sum().item(),
-        "training_ppl": (torch.exp(-mean_old) * sequences).sum().item(),
-        "rollout_ppl": (torch.exp(-mean_rollout) * sequences).sum().item(),
-        "log_ppl_diff": ((mean_rollout - mean_old) * sequences).sum().item(),
-        "sequence_rho_squared": (torch.exp(2 * sequence_log_rho) * sequences).sum().item(),
-        "probs": p.sum().item(),
-        "rollout_probs": q.sum().item(),
-        "probs_squared": (p**2).sum().item(),
-        "rollout_probs_squared": (q**2).sum().item(),
-        "probs_product": (p * q).sum().item(),
-        "probs_diff": differences.sum().item(),
-        "weight_units": units.sum().item(),
-        "weight": applied.sum().item(),
-        "weight_squared": (applied**2).sum().item(),
-        "raw_weight": raw.sum().item(),
-        "above_upper": (correction.above * units).sum().item(),
-        "below_lower": (correction.below * units).sum().item(),
-        "masked_tokens": masked.sum().item(),
-        "vetoed": (correction.vetoed & sequences).sum().item(),
+        "tokens": mask.sum(),
+        "sequences": sequences.sum(),
+        "rho": rho.sum(),
+        "rho_squared": (rho**2).sum(),
+        "abs_logprob_diff": (log_rho.abs() * mask).sum(),
+        "k3_kl": ((torch.exp(log_rho) - log_rho - 1) * mask).sum(),
+        "training_ppl": (torch.exp(-mean_old) * sequences).sum(),
+        "rollout_ppl": (torch.exp(-mean_rollout) * sequences).sum(),
+        "log_ppl_diff": ((mean_rollout - mean_old) * sequences).sum(),
+        "sequence_rho_squared": (torch.exp(2 * sequence_log_rho) * sequences).sum(),
+        "probs": p.sum(),
+        "rollout_probs": q.sum(),
+        "probs_squared": (p**2).sum(),
+        "rollout_probs_squared": (q**2).sum(),
+        "probs_product": (p * q).sum(),
+        "probs_diff": differences.sum(),
+        "weight_units": units.sum(),
+        "weight": applied.sum(),
+        "weight_squared": (applied**2).sum(),
+        "raw_weight": raw.sum(),
+        "above_upper": (correction.above * units).sum(),
+        "below_lower": (correction.below * units).sum(),
+        "masked_tokens": masked.sum(),
+        "vetoed": (correction.vetoed & sequences).sum(),
     }
     return sums, largest
