@@ -211,11 +211,12 @@ def loss_denominator(mask: torch.Tensor, objective: Objective) -> float:
 
 
 def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Statistics]:
-    """The loss to minimise (the mean over ``loss_denominator``'s units, 0 without any) and the batch's statistics."""
-    mask = batch.mask.float()
+    """The loss to minimise (the mean over ``loss_denominator``'s units, 0 without any; computed in float64, in
+    ``batch.new``'s dtype) and the batch's statistics."""
+    mask = batch.mask.double()
     kept = mask.bool()
-    old, rollout = batch.old.detach(), batch.rollout.detach()
-    log_ratio = torch.where(kept, batch.new - old, 0.0)
+    old, rollout = batch.old.detach().double(), batch.rollout.detach().double()
+    log_ratio = torch.where(kept, batch.new.double() - old, 0.0)
     lengths = mask.sum(dim=-1)
     has_tokens = (lengths > 0).float()
     if objective.algorithm is Algorithm.GSPO:
@@ -224,7 +225,7 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
     else:
         ratio = torch.exp(log_ratio)
     low, high = 1 - objective.clip_epsilon_low, 1 + objective.clip_epsilon_high
-    advantages = batch.advantages[:, None]
+    advantages = batch.advantages.double()[:, None]
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
     clipped = ((ratio.detach() < low) | (ratio.detach() > high)).float() * mask
     correction = rollout_correction(old, rollout, mask, objective)
@@ -238,14 +239,14 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
         clip = {"clipped": clipped.amax(dim=-1).sum(), "clip_units": sequences}
     else:
         clip = {"clipped": clipped.sum(), "clip_units": mask.sum()}
-    loss = summed / units.clamp(min=1)
+    loss = (summed / units.clamp(min=1)).to(batch.new.dtype)
     with torch.no_grad():
         x = log_ratio.detach()
         sums = {"loss": summed, "loss_units": units, **clip, "kl_new_old": ((torch.exp(x) - x - 1) * mask).sum()}
         mismatch, maxima = _mismatch(old, rollout, mask, correction)
         sums |= mismatch
         if batch.entropy is not None:
-            sums["entropy"] = (batch.entropy * mask).sum()
+            sums["entropy"] = (batch.entropy.double() * mask).sum()
         values = torch.stack([t.double().reshape(()) for t in (*sums.values(), *maxima.values())]).tolist()
     # One transfer to the host (one device synchronisation, not one per value).
     return loss, Statistics(
@@ -256,9 +257,9 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
 def _mismatch(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, correction: Correction
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Sums (and the maxima) of the proximal-behaviour mismatch and of the correction's weights, in float64."""
-    mask, kept = mask.double(), mask.bool()
-    old, rollout = torch.where(kept, old, 0.0).double(), torch.where(kept, rollout, 0.0).double()
+    """Sums (and the maxima) of the proximal-behaviour mismatch and of the correction's weights."""
+    kept = mask.bool()
+    old, rollout = torch.where(kept, old, 0.0), torch.where(kept, rollout, 0.0)
     log_rho = old - rollout
     rho = torch.exp(log_rho) * mask
     lengths = mask.sum(dim=-1)
@@ -266,8 +267,8 @@ def _mismatch(
     mean_old, mean_rollout = old.sum(dim=-1) / lengths.clamp(min=1), rollout.sum(dim=-1) / lengths.clamp(min=1)
     sequence_log_rho = log_rho.sum(dim=-1).clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
     p, q = old.exp() * mask, rollout.exp() * mask
-    units = correction.units.double()
-    raw, applied = correction.raw.double() * units, correction.applied.double() * units
+    units = correction.units
+    raw, applied = correction.raw * units, correction.applied * units
     masked = (correction.weight == 0) & kept
     differences = (p - q).abs()
     largest = {"probs_diff": differences.max() if differences.numel() else differences.new_zeros(())}

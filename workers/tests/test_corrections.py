@@ -331,7 +331,7 @@ def test_a_sequence_without_kept_tokens_counts_for_nothing() -> None:
 # -- invariance: any micro-batch size, any number of ranks ----------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 10_000),
     sequences=st.integers(1, 9),
