@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import spawn
 
-from lockstep.api import Objective, TruncatedImportanceSampling
+from lockstep.api import Objective, RolloutCorrection
 from lockstep_workers import sharding
 from lockstep_workers.learner import Policy, Rollout, across_ranks, learn, token_logprobs
 
@@ -130,7 +130,7 @@ def rank_main(rank: int, world: int, port: int, options: argparse.Namespace, res
         algorithm="grpo",
         minibatches=options.minibatches,
         tokens_per_micro_batch=options.micro_batch_tokens,
-        truncated_importance_sampling=TruncatedImportanceSampling(enabled=True, cap=2.0),
+        rollout_correction=RolloutCorrection(upper=2.0),
     )
     vocab = model.config.vocab_size
     times = []

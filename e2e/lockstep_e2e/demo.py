@@ -59,6 +59,7 @@ def metrics_table(result: RunResult) -> Table:
         ("clip rate", "clamp_log_ratio_new_old_indicator", "{:.3f}"),
         ("KL new/old", "kl_new_old", "{:.1e}"),
         ("ESS", "ess", "{:.3f}"),
+        ("masked", "rollout_is_masked_fraction", "{:.3f}"),
         ("|Δlogprob| on-policy", "onpolicy_mean_abs_logprob_diff", "{:.1e}"),
         ("lag", "staleness", "{:.0f}"),
         ("s", "seconds", "{:.1f}"),

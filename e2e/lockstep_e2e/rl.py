@@ -73,7 +73,7 @@ def tiny_rl_job(
                 "algorithm": "grpo",
                 "learningRate": 0.003,
                 "minibatches": 2,
-                "truncatedImportanceSampling": {"enabled": True, "cap": 2.0},
+                "rolloutCorrection": {"mode": "truncate", "upper": 2.0},
             },
             **(trainer or {}),
         },

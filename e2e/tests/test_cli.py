@@ -32,6 +32,9 @@ BAD_SPECS = {
     "reward not importable": {"trainer": {"image": "t", "reward": "rewards.py"}},
     "too few prompts": {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
     "no actors": {"actors": {"image": "a", "replicas": 0}},
+    "veto with the correction off": {
+        "trainer": {"image": "t", "reward": "m:f", "objective": {"rolloutCorrection": {"enabled": False, "veto": 1e-4}}}
+    },
     "bad quantity": {"actors": {"image": "a", "resources": {"limits": {"cpu": "lots"}}}},
     "reserved env": {
         "actors": {

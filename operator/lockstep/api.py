@@ -137,11 +137,69 @@ class BudgetAction(StrEnum):
     PAUSE = "Pause"
 
 
+class BudgetMetric(StrEnum):
+    """The step metrics a mismatch budget may name (docs/corrections.md): the trainer announces them every step in
+    lockstep.dev/mismatch, and the operator shows them in status.mismatch.metrics."""
+
+    ESS = "ess"
+    ROLLOUT_IS_EFF_SAMPLE_SIZE = "rollout_is_eff_sample_size"
+    ROLLOUT_IS_MEAN = "rollout_is_mean"
+    ROLLOUT_IS_RATIO_FRACTION_HIGH = "rollout_is_ratio_fraction_high"
+    ROLLOUT_IS_RATIO_FRACTION_LOW = "rollout_is_ratio_fraction_low"
+    ROLLOUT_IS_MASKED_FRACTION = "rollout_is_masked_fraction"
+    ROLLOUT_IS_VETO_FRACTION = "rollout_is_veto_fraction"
+    TRAINING_PPL = "training_ppl"
+    ROLLOUT_PPL = "rollout_ppl"
+    LOG_PPL_DIFF = "log_ppl_diff"
+    K3_KL = "k3_kl"
+    CHI2_TOKEN = "chi2_token"
+    CHI2_SEQ = "chi2_seq"
+    ROLLOUT_PROBS_DIFF_MEAN = "rollout_probs_diff_mean"
+    ROLLOUT_PROBS_DIFF_MAX = "rollout_probs_diff_max"
+    ROLLOUT_ACTOR_PROBS_PEARSON_CORR = "rollout_actor_probs_pearson_corr"
+    MEAN_ABS_LOGPROB_DIFF = "mean_abs_logprob_diff"
+    KL_NEW_OLD = "kl_new_old"
+    CLAMP_LOG_RATIO_NEW_OLD_INDICATOR = "clamp_log_ratio_new_old_indicator"
+    OUTSIDE_TOP_P_FRACTION = "outside_top_p_fraction"
+    ZERO_ADVANTAGE_GROUP_FRACTION = "zero_advantage_group_fraction"
+
+
+METRIC_LIMIT_RULE = cel(
+    "has(self.min) || has(self.max)",
+    "a mismatch budget limit needs min (exceeded below it), max (exceeded above it) or both (|x| <= 0.1: min -0.1, "
+    "max 0.1)",
+    field_path=".max",
+    reason="FieldValueRequired",
+)
+METRIC_LIMIT_ORDER_RULE = cel(
+    "!has(self.min) || !has(self.max) || self.min <= self.max",
+    "a mismatch budget limit's min is above its max, so every value exceeds it: swap them",
+    field_path=".min",
+    reason="FieldValueInvalid",
+)
+
+
+class MetricLimit(Model):
+    """One limit of the mismatch budget: a step whose metric is below min or above max exceeds it."""
+
+    model_config = ConfigDict(json_schema_extra=validations(METRIC_LIMIT_RULE, METRIC_LIMIT_ORDER_RULE))
+
+    metric: BudgetMetric = Field(description="The step metric held to the limit (docs/corrections.md).")
+    min: float | None = Field(None, description="The least value within the budget, e.g. 0.3 for an ESS.")
+    max: float | None = Field(None, description="The largest value within the budget, e.g. 0.1 for k3_kl.")
+
+
 class MismatchBudget(Model):
     mean_abs_logprob_diff: Annotated[float, Field(gt=0)] = Field(
         0.02,
         description="Largest mean |logprob_trainer - logprob_rollout| tolerated on tokens sampled under the "
         "trainer's current weights (numerics only: stale tokens from in-flight updates are not counted).",
+    )
+    limits: list[MetricLimit] = Field(
+        default_factory=list,
+        max_length=32,
+        description="More limits, on the step metrics the trainer announces (ESS, k3_kl, the masked fraction, "
+        "...): each trainer step is held to every one, as to meanAbsLogprobDiff.",
     )
     on_exceeded: BudgetAction = Field(
         BudgetAction.WARN,
@@ -371,14 +429,61 @@ class Algorithm(StrEnum):
     GRPO = "grpo"
 
 
-class TruncatedImportanceSampling(Model):
-    """Truncated importance sampling (TIS): each token's loss is weighted by min(pi_train / pi_rollout, cap)."""
+class CorrectionLevel(StrEnum):
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    GEOMETRIC = "geometric"
+
+
+class CorrectionMode(StrEnum):
+    TRUNCATE = "truncate"
+    MASK = "mask"
+
+
+CORRECTION_OFF_RULE = cel(
+    "self.enabled || !(has(self.level) || has(self.lower) || has(self.veto))",
+    "spec.trainer.objective.rolloutCorrection.enabled is false, so level, lower and veto would be ignored: remove "
+    "them, or set enabled: true",
+    field_path=".enabled",
+    reason="FieldValueInvalid",
+)
+
+
+class RolloutCorrection(Model):
+    """The rollout correction (docs/corrections.md): each term of the loss is weighted by a function of the
+    importance ratio rho = pi_proximal / pi_behaviour, the trainer's recomputed probability of a sampled token over
+    the rollout engine's. It is kept apart from the policy ratio pi_new / pi_proximal, which is clipped."""
+
+    model_config = ConfigDict(json_schema_extra=validations(CORRECTION_OFF_RULE))
 
     enabled: bool = Field(
-        False,
-        description="Weight each token by min(pi_train / pi_rollout, cap), correcting for what parity leaves.",
+        True,
+        description="Whether the loss is weighted; off, every weight is 1, and rollout_is_mean and the fractions "
+        "beyond the bounds still measure rho.",
     )
-    cap: Annotated[float, Field(gt=1)] = Field(2.0, description="C in min(pi_train / pi_rollout, C).")
+    level: CorrectionLevel | None = Field(
+        None,
+        description="token: one weight per token, rho_t; sequence: one per sequence, the product of its tokens' "
+        "rho; geometric: one per sequence, their geometric mean (the length-normalised ratio). Unset: the level of "
+        "the algorithm's own ratio, token for ppo and grpo, geometric for gspo.",
+    )
+    mode: CorrectionMode = Field(
+        CorrectionMode.TRUNCATE,
+        description="truncate (TIS): the weight is clamped to [lower, upper]; mask (MIS, IcePop's band): a weight "
+        "outside [lower, upper] is 0 (its tokens stay in the loss's denominator), one inside is rho itself.",
+    )
+    upper: Annotated[float, Field(gt=1)] = Field(
+        2.0, description="The upper bound on the weight (TIS's cap C in min(rho, C))."
+    )
+    lower: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        None,
+        description="The lower bound on the weight. Unset: 0 (no lower clamp) for truncate, 1 / upper for mask.",
+    )
+    veto: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None,
+        description="A sequence with any token whose rho is below this gets weight 0 (verl's veto threshold, e.g. "
+        "1e-4). Unset: no veto.",
+    )
 
 
 class Objective(Model):
@@ -393,7 +498,12 @@ class Objective(Model):
     clip_epsilon_high: Annotated[float, Field(gt=0)] = Field(
         0.28, description="Upper clip range: the ratio is clipped above at 1 + clipEpsilonHigh."
     )
-    truncated_importance_sampling: TruncatedImportanceSampling = Field(default_factory=TruncatedImportanceSampling)
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection,
+        description="How the loss corrects for the behaviour policy (the rollout engine) differing from the "
+        "proximal policy (the trainer's recompute); by default truncated importance sampling with cap 2, at the "
+        "level of the algorithm's own ratio.",
+    )
     learning_rate: Annotated[float, Field(gt=0, le=1)] = Field(
         1e-6, description="The optimiser's (Adam) learning rate."
     )

@@ -275,6 +275,12 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
             f"{mismatch['meanAbsLogprobDiff']:.3g} on {mismatch['tokenFraction']:.0%} of its tokens"
             + (f"; {dropped} stale sample(s) dropped" if (dropped := mismatch.get("staleSamplesDropped")) else "")
         )
+        if measured := mismatch.get("metrics"):
+            shown = ("rollout_is_eff_sample_size", "rollout_is_masked_fraction", "k3_kl", "log_ppl_diff")
+            lines.append(
+                "  its rollout correction: "
+                + ", ".join(f"{name} {measured[name]:.3g}" for name in shown if name in measured)
+            )
     if evaluation := state.get("evaluation"):
         lines.append(
             f"  trainer's last evaluation: eval reward {evaluation['reward']:.3g} on weights version "

@@ -89,6 +89,10 @@ class Mismatch(Model):
         description="samples of the step dropped before the loss, and sampled again, because a token was more than "
         "spec.trainer.maxLag versions behind the trainer",
     )
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="the step's metrics a mismatch budget may name (lockstep.api.BudgetMetric, docs/corrections.md)",
+    )
 
 
 class EvalResult(Model):

@@ -49,3 +49,54 @@ def test_a_mismatch_over_budget_degrades_parity_and_pause_holds_weight_updates()
     resumed = plan_for({**body, "status": status_of(held)}, pods, policies=[raised])
     assert condition(resumed, "ParityDegraded") == ("False", "WithinBudget")
     assert resumed.status.barrier is not None and resumed.status.barrier.version == 4
+
+
+def test_a_limit_on_a_named_metric_degrades_parity_and_pauses_as_the_mean_does() -> None:
+    """Issue 24 item 4: ESS below its min (the mean |Δlogprob| within budget) is over budget; the metrics reach
+    status.mismatch and lockstep status."""
+    from lockstep.cli import describe_status
+
+    limits = [{"metric": "rollout_is_eff_sample_size", "min": 0.3}, {"metric": "k3_kl", "max": 0.1}]
+    strict = policy(trainer={"mismatchBudget": {"limits": limits, "onExceeded": "Pause"}})
+    body, pods = settle(job())
+    announce(pods[2], 4)
+    metrics = {"rollout_is_eff_sample_size": 0.2, "k3_kl": 0.05, "rollout_is_masked_fraction": 0.125}
+    measured = {"protocol": PROTOCOL, "step": 4, "meanAbsLogprobDiff": 0.001, "tokenFraction": 1.0, "metrics": metrics}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(measured)
+
+    held = plan_for(body, pods, policies=[strict])
+    assert condition(held, "ParityDegraded") == ("True", "MismatchBudgetExceeded")
+    message = find(held.status.conditions, "ParityDegraded").message  # type: ignore[union-attr]
+    assert "rollout_is_eff_sample_size 0.2 below its min 0.3" in message and "k3_kl" not in message
+    assert "weight updates are held" in message and held.status.barrier is None
+    assert held.status.mismatch is not None and held.status.mismatch.metrics == metrics
+    shown = describe_status("tiny", held.status.model_dump(mode="json", by_alias=True, exclude_none=True))
+    assert "  its rollout correction: rollout_is_eff_sample_size 0.2, rollout_is_masked_fraction 0.125, k3_kl 0.05" in (
+        shown
+    )
+
+    loose = [{"metric": "rollout_is_eff_sample_size", "min": 0.1}, {"metric": "k3_kl", "min": -0.1, "max": 0.1}]
+    raised = policy(trainer={"mismatchBudget": {"limits": loose, "onExceeded": "Pause"}})
+    resumed = plan_for({**body, "status": status_of(held)}, pods, policies=[raised])
+    assert condition(resumed, "ParityDegraded") == ("False", "WithinBudget")
+    assert resumed.status.barrier is not None
+
+
+def test_the_budget_holds_each_limit_in_its_direction() -> None:
+    from lockstep.api import MismatchBudget
+    from lockstep.protocol import Mismatch
+    from lockstep.reconcile.budget import breaches
+
+    measured = Mismatch(step=1, mean_abs_logprob_diff=0.03, token_fraction=1.0, metrics={"k3_kl": -0.2, "ess": 0.9})
+    budget = MismatchBudget.model_validate(
+        {
+            "meanAbsLogprobDiff": 0.02,
+            "limits": [
+                {"metric": "k3_kl", "min": -0.1, "max": 0.1},
+                {"metric": "ess", "min": 0.5},
+                {"metric": "chi2_seq", "max": 1.0},  # not announced: not held
+            ],
+        }
+    )
+    assert breaches(measured, budget) == ["meanAbsLogprobDiff 0.03 above 0.02", "k3_kl -0.2 below its min -0.1"]
+    assert breaches(measured.model_copy(update={"mean_abs_logprob_diff": 0.01, "metrics": {"ess": 0.9}}), budget) == []

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.api import Objective
-from lockstep_workers.objective import Batch, loss_denominator, policy_loss
+from lockstep_workers.objective import Batch, Statistics, loss_denominator, policy_loss
 
 HEAD_CHUNK_TOKENS = 4096
 """Completion tokens per slice of the final projection. The [tokens, vocabulary] fp32 logits of one slice are the
@@ -168,13 +168,32 @@ def token_logprobs(
 
 
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Each reward minus its group's mean, over the group's standard deviation (GRPO-style)."""
+    """Each reward minus its group's mean, over the group's population standard deviation (divided by the group's
+    size, not size - 1 as verl's sample one is) plus 1e-6: a group whose rewards are all equal gets 0."""
     advantages = torch.zeros_like(rewards)
     for group in groups.unique():
         members = groups == group
         values = rewards[members]
         advantages[members] = (values - values.mean()) / (values.std(unbiased=False) + 1e-6)
     return advantages
+
+
+def _batch_statistics(
+    rewards: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, kept: torch.Tensor
+) -> Statistics:
+    """The rewards, the groups whose rewards are all equal (no advantage, no gradient) and the sampled tokens the
+    trainer's top-p set leaves out."""
+    equal = sum(int(rewards[groups == group].unique().numel() == 1) for group in groups.unique())
+    return Statistics(
+        {
+            "samples": float(len(rewards)),
+            "reward": rewards.sum().item(),
+            "groups": float(groups.unique().numel()),
+            "zero_advantage_groups": float(equal),
+            "sampled_tokens": sampled.sum().item(),
+            "outside_top_p": (sampled - kept).sum().item(),
+        }
+    )
 
 
 def _world() -> int:
@@ -216,7 +235,8 @@ def learn(
     max_lag: int | None = None,
 ) -> dict[str, float]:
     """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
-    micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics, averaged over the minibatches.
+    micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics (its sums and counts over the
+    micro-batches and minibatches, divided once) and those statistics, which ``across_ranks`` combines.
 
     The ratios are taken against the model as it was when the batch arrived (``old``), so they depart from 1, and
     clipping acts, from the second minibatch on; the entropy is that model's. ``version`` is the weights version the
@@ -257,19 +277,16 @@ def learn(
     rollout = torch.zeros_like(old)
     for row, r in enumerate(rollouts):
         rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
-    reward = torch.tensor(list(rewards), dtype=torch.float32)
+    reward = torch.tensor(list(rewards), dtype=torch.float64)
     groups = torch.tensor([r.group for r in rollouts])
     advantages = group_advantages(reward, groups).to(device)
-    steps = []
+    statistics = _batch_statistics(reward, groups, sampled.cpu(), mask.cpu())
     for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
         rows = torch.isin(groups, chunk).nonzero()[:, 0].tolist()
-        # What the minibatch's loss averages over, here and on every rank together: each micro-batch's loss is
-        # weighted by its share of the total, times the ranks, since FSDP averages the gradients over them; its
-        # metrics by its share of this rank's.
-        here = loss_denominator(mask[rows], objective)
-        (total,) = _summed([here], device)
+        # What the minibatch's loss averages over, on every rank together: each micro-batch's loss is weighted by
+        # its share of the total, times the ranks, since FSDP averages the gradients over them.
+        (total,) = _summed([loss_denominator(mask[rows], objective)], device)
         optimizer.zero_grad()
-        metrics: dict[str, float] = {}
         for part in micro_batches(rows, rollouts, objective.tokens_per_micro_batch, device):
             new, _, _ = token_logprobs(policy, [rollouts[i] for i in part], temperature, top_p=top_p, width=widest)
             kept = mask[part]
@@ -277,22 +294,17 @@ def learn(
                 torch.where(kept.bool(), new, 0.0), old[part], rollout[part], advantages[part], kept, entropy[part]
             )
             loss, measured = policy_loss(batch, objective)
-            part_of = loss_denominator(kept, objective)
-            (loss * part_of / max(total, 1.0) * _world()).backward()
-            for name, value in measured.items():
-                metrics[name] = metrics.get(name, 0.0) + value * part_of / max(here, 1.0)
+            (loss * measured.sums["loss_units"] / max(total, 1.0) * _world()).backward()
+            statistics += measured
         optimizer.step()
-        steps.append(metrics)
-    averaged = {name: sum(m[name] for m in steps) / len(steps) for name in steps[0]}
-    averaged["outside_top_p_fraction"] = ((sampled - mask).sum() / sampled.sum().clamp(min=1)).item()
     if version is not None:
-        averaged.update(_staleness(rollouts, old, rollout, mask, version))
-    return {"reward": reward.mean().item(), **averaged}
+        statistics += _staleness(rollouts, old, rollout, mask, version)
+    return {**statistics.metrics(), **statistics.as_floats()}
 
 
 def _staleness(
     rollouts: Sequence[Rollout], old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, version: int
-) -> dict[str, float]:
+) -> Statistics:
     """Mismatch on the tokens of sequences sampled wholly under ``version`` (numerics alone: a sequence that spans
     an in-flight update keeps KV computed under the old weights); how many versions behind the oldest token was
     (``staleness``, not to be confused with the job's status.lag, which is how far the actors are behind)."""
@@ -302,20 +314,21 @@ def _staleness(
     seen = versions.masked_fill(~mask.bool(), float(version))
     onpolicy = mask * (seen == version).all(dim=1, keepdim=True).float()
     spanning = (seen.amax(dim=1) != seen.amin(dim=1)).float()
-    return {
-        "onpolicy_mean_abs_logprob_diff": ((old - rollout).abs() * onpolicy).sum().item()
-        / max(onpolicy.sum().item(), 1),
-        "onpolicy_token_fraction": (onpolicy.sum() / mask.sum().clamp(min=1)).item(),
-        "spanning_sequence_fraction": spanning.mean().item(),
-        "staleness": version - seen.min().item(),
-    }
+    return Statistics(
+        {
+            "onpolicy_abs_logprob_diff": ((old - rollout).abs() * onpolicy).sum().item(),
+            "onpolicy_tokens": onpolicy.sum().item(),
+            "spanning": spanning.sum().item(),
+        },
+        {"staleness": version - seen.min().item()},
+    )
 
 
 def across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Every rank's metrics combined (a collective, on ``device``): the mean, but the largest staleness."""
-    names = sorted(metrics)
-    world = _world()
-    combined = dict(zip(names, (v / world for v in _summed([metrics[n] for n in names], device)), strict=True))
-    if "staleness" in metrics:
-        (combined["staleness"],) = _summed([metrics["staleness"]], device, dist.ReduceOp.MAX)
-    return combined
+    """The metrics of every rank's ``learn`` together (a collective, on ``device``): their statistics added (the
+    maxima the largest) over the ranks, then divided once, as on one rank with the whole batch."""
+    statistics = Statistics.from_floats(metrics)
+    sums, maxima = sorted(statistics.sums), sorted(statistics.maxima)
+    added = _summed([statistics.sums[n] for n in sums], device)
+    largest = _summed([statistics.maxima[n] for n in maxima], device, dist.ReduceOp.MAX) if maxima else []
+    return Statistics(dict(zip(sums, added, strict=True)), dict(zip(maxima, largest, strict=True))).metrics()

@@ -41,12 +41,30 @@ STEP_METRICS = (
     "stale_samples_dropped",
     "outside_top_p_fraction",
     "tis_weight_mean",
+    "rollout_is_mean",
+    "rollout_is_eff_sample_size",
+    "rollout_is_ratio_fraction_high",
+    "rollout_is_ratio_fraction_low",
+    "rollout_is_masked_fraction",
+    "rollout_is_veto_fraction",
+    "training_ppl",
+    "rollout_ppl",
+    "log_ppl_diff",
+    "k3_kl",
+    "chi2_token",
+    "chi2_seq",
+    "rollout_probs_diff_mean",
+    "rollout_probs_diff_max",
+    "rollout_actor_probs_pearson_corr",
+    "zero_advantage_groups",
+    "zero_advantage_group_fraction",
     "loss",
     "publish_gather_seconds",
     "publish_wait_seconds",
     "publish_seconds",
 )
-"""Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>``. What a publish
+"""Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>`` (the rollout
+correction's and the mismatch's under the names verl uses, docs/corrections.md). What a publish
 costs the trainer: ``publish_gather_seconds``, the gather of the full weights from the shards (a collective);
 ``publish_wait_seconds``, how long rank 0 waited for the previous version's publish since it handed that one over
 (before a checkpoint, before this one, or until the actors could serve it, spec.trainer.maxLag); and, off the

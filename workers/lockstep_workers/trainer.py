@@ -35,7 +35,7 @@ import torch.distributed as dist
 from prometheus_client import start_http_server
 
 from lockstep import environment
-from lockstep.api import DType, MismatchBudget, TrainerNumerics, Training
+from lockstep.api import BudgetMetric, DType, MismatchBudget, TrainerNumerics, Training
 from lockstep.protocol import EvalResult, Mismatch, Weights
 from lockstep_workers import checkpoint, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
@@ -373,6 +373,7 @@ def _publish_and_announce(
             mean_abs_logprob_diff=metrics["onpolicy_mean_abs_logprob_diff"],
             token_fraction=metrics["onpolicy_token_fraction"],
             stale_samples_dropped=int(metrics["stale_samples_dropped"]),
+            metrics={name.value: metrics[name.value] for name in BudgetMetric},
         )
         evaluation = (
             EvalResult(version=step - 1, reward=metrics[EVAL_REWARD], rows=int(metrics[EVAL_ROWS]))

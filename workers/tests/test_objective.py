@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
-from lockstep.api import Algorithm, Objective, TruncatedImportanceSampling
-from lockstep_workers.objective import Batch, policy_loss
+from lockstep.api import Algorithm, Objective, RolloutCorrection
+from lockstep_workers import objective as objective_module
+from lockstep_workers.objective import Batch
+
+
+def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss and the metrics of one batch."""
+    loss, statistics = objective_module.policy_loss(batch, objective)
+    return loss, statistics.metrics()
 
 
 def objective(algorithm: str = "ppo", tis: bool = False, cap: float = 2.0) -> Objective:
@@ -16,7 +23,7 @@ def objective(algorithm: str = "ppo", tis: bool = False, cap: float = 2.0) -> Ob
         algorithm=Algorithm(algorithm),
         clip_epsilon_low=0.2,
         clip_epsilon_high=0.28,
-        truncated_importance_sampling=TruncatedImportanceSampling(enabled=tis, cap=cap),
+        rollout_correction=RolloutCorrection(enabled=tis, upper=cap),
     )
 
 

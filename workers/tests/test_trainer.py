@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lockstep.api import Dataset, Evaluation, Objective, Training, TruncatedImportanceSampling
+from lockstep.api import Dataset, Evaluation, Objective, RolloutCorrection, Training
 from lockstep_workers import learner
 from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
+from lockstep_workers.objective import Statistics
 from lockstep_workers.rewards import target_words
 from lockstep_workers.rollouts import Rows
 from lockstep_workers.scoring import load_callable
@@ -59,7 +60,7 @@ def test_reward_rises_on_the_tiny_task(tmp_path: Path) -> None:
     objective = Objective(
         algorithm="grpo",
         learning_rate=3e-3,
-        truncated_importance_sampling=TruncatedImportanceSampling(enabled=True, cap=2.0),
+        rollout_correction=RolloutCorrection(upper=2.0),
     )
     reward = load_callable("lockstep_workers.rewards:target_words")
     assert reward is target_words
@@ -126,6 +127,56 @@ def test_micro_batches_accumulate_the_gradient_of_one_pass(tmp_path: Path) -> No
     for name, tensor in trained[None].items():
         torch.testing.assert_close(trained[16][name], tensor, rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(t, model.state_dict()[n]) for n, t in trained[None].items()), "the steps moved"
+
+
+def test_the_step_metrics_are_the_same_for_any_micro_batch_size_and_number_of_ranks(tmp_path: Path) -> None:
+    """Issue 24 item 1: micro-batches of 8 tokens measure what one pass does (the same gradient, so the same
+    second minibatch); 2 or 3 ranks, each learning from its own prompt groups, their statistics added as
+    ``across_ranks`` adds them, measure what one rank does with the whole batch (no step: learning rate 0)."""
+    model = tiny(tmp_path / "model")
+    prompts = [[1, 10, 11], [1, 20, 21], [1, 30, 31], [1, 40, 41], [1, 50, 51], [1, 60, 61]]
+    rollouts = sample(model, prompts, group=2, length=5)
+    noise = random.Random(0)
+    rollouts = [
+        Rollout(r.prompt, r.completion, [lp + noise.gauss(0, 0.5) for lp in r.logprobs], r.group) for r in rollouts
+    ]
+    rewards = [1.0, 1.0] + [float(n % 2) for n in range(10)]  # the first group's rewards are all equal
+    correction = RolloutCorrection(level="sequence", mode="mask", upper=3.0, veto=0.05)
+    for algorithm in ("ppo", "grpo", "gspo"):
+        measured = {}
+        for tokens in (None, 8):
+            objective = Objective(
+                algorithm=algorithm, minibatches=2, tokens_per_micro_batch=tokens, rollout_correction=correction
+            )
+            copy = tiny(tmp_path / "model")
+            measured[tokens] = learn(
+                Policy(copy), torch.optim.SGD(copy.parameters(), lr=1.0), rollouts, rewards, objective, 1.0, version=0
+            )
+        one_pass = Statistics.from_floats(measured[None]).metrics()
+        assert one_pass["zero_advantage_groups"] == 1 and one_pass["clamp_log_ratio_new_old_indicator"] > 0
+        assert 0 < one_pass["rollout_is_masked_fraction"] < 1, "the mask acts on some sequences here"
+        assert Statistics.from_floats(measured[8]).metrics() == pytest.approx(one_pass, rel=1e-4, abs=1e-6)
+        objective = Objective(
+            algorithm=algorithm, minibatches=2, tokens_per_micro_batch=8, rollout_correction=correction
+        )
+        frozen = torch.optim.SGD(model.parameters(), lr=0.0)
+        whole = learn(Policy(model), frozen, rollouts, rewards, objective, 1.0, version=0)
+        for world in (2, 3):
+            ranks = Statistics()
+            for rank in range(world):
+                mine = [n for n, r in enumerate(rollouts) if r.group % world == rank]
+                shard = learn(
+                    Policy(model),
+                    frozen,
+                    [rollouts[n] for n in mine],
+                    [rewards[n] for n in mine],
+                    objective,
+                    1.0,
+                    version=0,
+                )
+                ranks += Statistics.from_floats(shard)
+            assert ranks.metrics() == pytest.approx(Statistics.from_floats(whole).metrics(), rel=1e-5, abs=1e-6)
+        assert learner.across_ranks(whole, torch.device("cpu")) == Statistics.from_floats(whole).metrics()
 
 
 def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_version(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Any
 
 from lockstep import keys, protocol
-from lockstep.api import BudgetAction
+from lockstep.api import BudgetAction, MismatchBudget
 from lockstep.conditions import PARITY_DEGRADED
 from lockstep.parity import EffectiveConfig
 from lockstep.protocol import EvalResult, Mismatch
@@ -43,7 +43,8 @@ def check(run: Pass, config: EffectiveConfig, rank0: dict[str, Any] | None) -> U
         f"on {last.token_fraction:.0%} of its tokens; budget {budget.mean_abs_logprob_diff:.3g} "
         f"(ParityPolicy {config.policy!r})"
     )
-    if last.mean_abs_logprob_diff <= budget.mean_abs_logprob_diff:
+    exceeded = breaches(last, budget)
+    if not exceeded:
         run.condition(PARITY_DEGRADED, False, Reason.WITHIN_BUDGET, numbers)
         return Updates.ALLOWED
     hold = budget.on_exceeded is BudgetAction.PAUSE
@@ -53,5 +54,25 @@ def check(run: Pass, config: EffectiveConfig, rank0: dict[str, Any] | None) -> U
         if hold
         else ""
     )
-    run.condition(PARITY_DEGRADED, True, Reason.MISMATCH_BUDGET_EXCEEDED, f"over budget at {numbers}{advice}")
+    message = f"over budget at {numbers}: {', '.join(exceeded)}{advice}"
+    run.condition(PARITY_DEGRADED, True, Reason.MISMATCH_BUDGET_EXCEEDED, message)
     return Updates.HELD if hold else Updates.ALLOWED
+
+
+def breaches(measured: Mismatch, budget: MismatchBudget) -> list[str]:
+    """What of ``budget`` the step ``measured`` exceeds, in words (none: within it): meanAbsLogprobDiff, then each
+    limit on a metric the trainer announced (a metric it did not announce is not held to its limit)."""
+    found = []
+    if measured.mean_abs_logprob_diff > budget.mean_abs_logprob_diff:
+        found.append(
+            f"meanAbsLogprobDiff {measured.mean_abs_logprob_diff:.3g} above {budget.mean_abs_logprob_diff:.3g}"
+        )
+    for limit in budget.limits:
+        value = measured.metrics.get(limit.metric.value)
+        if value is None:
+            continue
+        if limit.min is not None and value < limit.min:
+            found.append(f"{limit.metric.value} {value:.3g} below its min {limit.min:.3g}")
+        if limit.max is not None and value > limit.max:
+            found.append(f"{limit.metric.value} {value:.3g} above its max {limit.max:.3g}")
+    return found

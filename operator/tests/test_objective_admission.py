@@ -1,0 +1,56 @@
+"""spec.trainer.objective.rolloutCorrection: what admission refuses, in the words `lockstep validate` shares with
+the API server (the CRD's schema and CEL rules), naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from factories import job
+from lockstep.cli import schema_errors
+
+FIELD = "spec.trainer.objective.rolloutCorrection"
+
+
+def errors(correction: dict[str, Any]) -> list[str]:
+    spec = job()["spec"]
+    spec["trainer"]["objective"] = {"rolloutCorrection": correction}
+    return schema_errors(spec)
+
+
+@pytest.mark.parametrize(
+    "correction",
+    [
+        {},
+        {"level": "sequence", "mode": "mask", "upper": 3.0},
+        {"level": "geometric", "mode": "mask", "lower": 0.5, "upper": 2.0, "veto": 1.0e-4},
+        {"mode": "truncate", "lower": 0.1, "upper": 5.0},
+        {"enabled": False},
+    ],
+)
+def test_coherent_corrections_are_admitted(correction: dict[str, Any]) -> None:
+    assert errors(correction) == []
+
+
+@pytest.mark.parametrize("ignored", [{"veto": 1.0e-4}, {"lower": 0.5}, {"level": "token"}])
+def test_a_disabled_correction_with_settings_it_would_ignore_is_refused(ignored: dict[str, Any]) -> None:
+    [error] = errors({"enabled": False, **ignored})
+    assert error.startswith(f"{FIELD}.enabled: Invalid value: ") and "remove them, or set enabled: true" in error
+
+
+@pytest.mark.parametrize(
+    ("correction", "field"),
+    [
+        ({"upper": 1.0}, "upper"),
+        ({"lower": 1.0}, "lower"),
+        ({"lower": -0.1}, "lower"),
+        ({"veto": 0.0}, "veto"),
+        ({"veto": 1.5}, "veto"),
+        ({"level": "batch"}, "level"),
+        ({"mode": "clip"}, "mode"),
+    ],
+)
+def test_bounds_out_of_range_and_unknown_values_are_refused_by_name(correction: dict[str, Any], field: str) -> None:
+    [error] = errors(correction)
+    assert error.startswith(f"{FIELD}.{field}: "), error
