@@ -318,26 +318,69 @@ SETTINGS = Training.model_validate(
 )
 
 
-def _rank(rank: int, world: int, port: int, model: str, shared: str, settings: Training, vocabulary: int) -> None:
+def gradient_fingerprint(parameters: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Per parameter, in order: the sum, the L2 norm and a seeded random projection of its gradient."""
+    fingerprint = []
+    for index, parameter in enumerate(parameters):
+        assert parameter.grad is not None
+        grad: Any = parameter.grad
+        whole = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().double().flatten()
+        projection = torch.randn(whole.numel(), generator=torch.Generator().manual_seed(index), dtype=torch.float64)
+        fingerprint.append([float(whole.sum()), float(whole.norm()), float(whole @ projection)])
+    return fingerprint
+
+
+def _record_first_gradients(path: Path) -> None:
+    """In this process, write the first optimizer step's gradient fingerprint to ``path`` (JSON)."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not path.exists():
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            path.write_text(json.dumps(gradient_fingerprint(parameters)))
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(hook)
+
+
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    model: str,
+    shared: str,
+    settings: Training,
+    vocabulary: int,
+    gradients: str | None = None,
+) -> None:
     from lockstep_workers.pod import PodEnvironment
     from lockstep_workers.trainer import train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if gradients is not None:
+        _record_first_gradients(Path(gradients))
     env = PodEnvironment(rank, world, ["scripted"], Path(shared), None, None, None, 0)
     train(model, settings, env, ScriptedActors(vocabulary=vocabulary))
 
 
 def run_trainer(
-    world: int, model: Path, shared: Path, steps: int, settings: Training = SETTINGS, vocabulary: int = 256
+    world: int,
+    model: Path,
+    shared: Path,
+    steps: int,
+    settings: Training = SETTINGS,
+    vocabulary: int = 256,
+    gradients: Path | None = None,
 ) -> list[dict[str, Any]]:
     """``steps`` steps (counted from where the job's directory ``shared`` left off) on ``world`` ranks; every
-    step's record so far."""
+    step's record so far. ``gradients``: where rank 0 writes its first optimizer step's gradient fingerprint."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     settings = settings.model_copy(update={"steps": steps})
-    mp.spawn(_rank, args=(world, port, str(model), str(shared), settings, vocabulary), nprocs=world)
+    recorded = str(gradients) if gradients is not None else None
+    mp.spawn(_rank, args=(world, port, str(model), str(shared), settings, vocabulary, recorded), nprocs=world)
     return [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -524,3 +567,17 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
 
     assert prompts(tmp_path / "resumed") == prompts(tmp_path / "straight")
     assert len({prompt for _, prompt, _ in prompts(tmp_path / "straight")}) == 4 * 4, "4 new rows a step"
+
+
+FIRST_STEP_GRADIENTS = Path(__file__).parent / "data" / "first_step_gradients.json"
+"""Recorded from the serial loop (sample, then learn, then publish; commit c7a623c) by the test below's run."""
+
+
+def test_max_lag_0_learns_the_first_step_with_the_gradients_of_the_serial_loop(tmp_path: Path) -> None:
+    """maxLag 0 is synchronous on-policy RL as before the pipeline: the same seed gives the same gradients in the
+    first step's first optimizer step as the serial loop gave (its fingerprint, recorded by this run on that code)."""
+    settings = SETTINGS.model_copy(update={"max_lag": 0, "seed": 3})
+    found = tmp_path / "gradients.json"
+    run_trainer(1, create_tiny_llama(tmp_path / "model"), tmp_path / "shared", 1, settings, gradients=found)
+    expected = json.loads(FIRST_STEP_GRADIENTS.read_text())
+    torch.testing.assert_close(torch.tensor(json.loads(found.read_text())), torch.tensor(expected), rtol=1e-5, atol=1e-8)
