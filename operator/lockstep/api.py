@@ -416,6 +416,14 @@ CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_
 
 class RolloutSettings(Model):
     prompts_per_step: Annotated[int, Field(ge=1, le=65536)] = Field(8, description="Prompts sampled per step.")
+    groups_in_flight: Annotated[int, Field(ge=1, le=65536)] | None = Field(
+        None,
+        description="How many prompt groups (a prompt's samplesPerPrompt completions) the trainer keeps in flight "
+        "on the actors at once, taking prompts in the dataset's order, while it learns and publishes; a group is "
+        "sent only once the actors serve weights within spec.trainer.maxLag of the step that learns it, so maxLag "
+        "bounds how far generation runs ahead (0: none, synchronous RL). Unset: 2 x promptsPerStep, this step's "
+        "and the next's, so that the actors are not idle while the trainer waits for a step's last groups.",
+    )
     samples_per_prompt: Annotated[int, Field(ge=2, le=1024)] = Field(
         8, description="Completions per prompt: a group, whose mean reward is the baseline (GRPO/GSPO)."
     )
@@ -437,6 +445,11 @@ class RolloutSettings(Model):
         "a mask of the tokens the policy produced; the tokens the environment inserted stay out of the loss); see "
         "lockstep_workers.episodes. Unset: one completion of the prompt.",
     )
+
+    @property
+    def in_flight(self) -> int:
+        """groupsInFlight, or its default."""
+        return self.groups_in_flight if self.groups_in_flight is not None else 2 * self.prompts_per_step
 
 
 class PromptTemplate(StrEnum):

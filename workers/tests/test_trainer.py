@@ -8,6 +8,7 @@ import json
 import os
 import random
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,39 +147,9 @@ def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_ver
 
 
 def test_a_sample_older_than_max_lag_never_reaches_the_loss(tmp_path: Path) -> None:
-    from lockstep_workers.rollouts import fresh_rollouts
-
+    """The producer drops such samples before (test_pipeline.py); ``learn`` refuses any that get through."""
     model = tiny(tmp_path / "model")
     [fresh] = sample(model, [[1, 10, 11]], group=1, length=4)
-
-    class Actors:
-        """The first sampling has one token two versions behind; samples taken again are current."""
-
-        def __init__(self) -> None:
-            self.calls: list[tuple[int, int]] = []
-
-        def wait_until_ready(self) -> None: ...
-
-        def wait_for_version(self, version: int) -> None:
-            self.calls.append((-1, version))
-
-        def sample(
-            self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
-        ) -> list[Rollout]:
-            self.calls.append((len(prompts), group))
-            versions = [5, 5, 5, 5] if len(self.calls) > 1 else [3, 4, 5, 5]
-            return [
-                Rollout(fresh.prompt, fresh.completion, fresh.logprobs, n, versions)
-                for n in range(len(prompts))
-                for _ in range(group)
-            ]
-
-    actors = Actors()
-    sampled, dropped = fresh_rollouts(actors, [fresh.prompt] * 2, 2, {}, version=5, max_lag=1)
-    assert dropped == 4 and actors.calls == [(2, 2), (-1, 4), (4, 1)], "dropped, then sampled again within the bound"
-    assert [r.group for r in sampled] == [0, 0, 1, 1] and all(learner.lag_of(r, 5) == 0 for r in sampled)
-    assert fresh_rollouts(actors, [fresh.prompt], 2, {}, version=6, max_lag=1)[1] == 0, "one version behind: kept"
-
     stale = Rollout(fresh.prompt, fresh.completion, fresh.logprobs, 0, [3, 4, 5, 5])
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -283,7 +254,7 @@ def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: P
 
 class ScriptedActors:
     """Actors whose completions depend on the prompt alone (the same batch for the same step, whatever the weights),
-    sampled under the version the trainer last published."""
+    that serve every version at once and report no busy time."""
 
     def __init__(self, length: int = 6, vocabulary: int = 256) -> None:
         self.length = length
@@ -295,7 +266,13 @@ class ScriptedActors:
     def wait_for_version(self, version: int) -> None:
         pass
 
-    def sample(
+    async def served_version(self) -> int:
+        return sys.maxsize
+
+    async def busy_seconds(self) -> dict[str, float]:
+        return {}
+
+    async def generate(
         self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
     ) -> list[Rollout]:
         rollouts = []
@@ -580,4 +557,6 @@ def test_max_lag_0_learns_the_first_step_with_the_gradients_of_the_serial_loop(t
     found = tmp_path / "gradients.json"
     run_trainer(1, create_tiny_llama(tmp_path / "model"), tmp_path / "shared", 1, settings, gradients=found)
     expected = json.loads(FIRST_STEP_GRADIENTS.read_text())
-    torch.testing.assert_close(torch.tensor(json.loads(found.read_text())), torch.tensor(expected), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        torch.tensor(json.loads(found.read_text())), torch.tensor(expected), rtol=1e-5, atol=1e-8
+    )
