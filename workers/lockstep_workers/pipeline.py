@@ -24,6 +24,7 @@ requests go through the same loop, beside the training requests, which they neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -179,6 +180,7 @@ class RolloutProducer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-producer", daemon=True)
         self._changed: asyncio.Condition | None = None
+        self._step_asked: asyncio.Event | None = None
         self._main: Any = None
         self._failure: BaseException | None = None
 
@@ -220,7 +222,14 @@ class RolloutProducer:
         async with changed:
             changed.notify_all()
 
+    def _asked(self) -> asyncio.Event:
+        """Set when a step asks for its groups: the actors may serve a newer version by then."""
+        if self._step_asked is None:
+            self._step_asked = asyncio.Event()
+        return self._step_asked
+
     async def _take(self, step: int) -> list[Group]:
+        self._asked().set()
         changed = await self._condition()
         async with changed:
             await changed.wait_for(lambda: self._failure is not None or self.schedule.ready(step))
@@ -241,8 +250,12 @@ class RolloutProducer:
                         self.counts.requests["train"] += 1
                         requests.create_task(self._sample(position))
                     elif self.schedule.candidate() is not None:  # held back by maxLag: ask the actors again
-                        await asyncio.sleep(VERSION_POLL_SECONDS)
-                        self.served = await self.actors.served_version()
+                        served = await self.actors.served_version()
+                        if served == self.served:  # until a step asks for its groups, or after a while
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(self._asked().wait(), VERSION_POLL_SECONDS)
+                            self._asked().clear()
+                        self.served = served
                     else:  # enough in flight: wait for one to finish
                         changed = await self._condition()
                         async with changed:
