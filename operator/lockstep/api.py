@@ -536,10 +536,12 @@ class Training(Model):
     steps: Annotated[int, Field(ge=1)] = Field(100, description="Optimiser steps; the job succeeds after the last.")
     max_lag: Annotated[int, Field(ge=0)] = Field(
         1,
-        description="How many versions the actors may be behind when a step's sampling starts: 0 waits for each "
-        "weight update to finish; 1 samples while the previous update is in flight. A hard bound: a sample with a "
-        "token more than maxLag versions behind the trainer's weights is dropped before the loss and sampled again "
-        "(counted as stale_samples_dropped, and in status.mismatch.staleSamplesDropped).",
+        description="How many versions behind the weights that learn it a sampled token may be, and so how far "
+        "generation runs ahead of learning (the rollout producer, spec.trainer.rollout.groupsInFlight): 0 is "
+        "synchronous on-policy RL (a step is sampled once the actors serve the previous step's weights); 1 samples "
+        "the next step while this one learns and its update is in flight. A hard bound: a group with a token more "
+        "than maxLag versions behind is dropped before the loss and its prompt sampled again (counted as "
+        "stale_samples_dropped, and in status.mismatch.staleSamplesDropped).",
     )
     seed: int = Field(0, description="Seed of the trainer's random state and of the prompt source.")
     rollout: RolloutSettings = Field(

@@ -4,11 +4,13 @@ stopped between steps and restarted, with another number of ranks, goes on from 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -254,11 +256,13 @@ def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: P
 
 class ScriptedActors:
     """Actors whose completions depend on the prompt alone (the same batch for the same step, whatever the weights),
-    that serve every version at once and report no busy time."""
+    that serve every version at once and report no busy time. The ``hold``th request (from 1) is never answered."""
 
-    def __init__(self, length: int = 6, vocabulary: int = 256) -> None:
+    def __init__(self, length: int = 6, vocabulary: int = 256, hold: int | None = None) -> None:
         self.length = length
         self.vocabulary = vocabulary
+        self.hold = hold
+        self.requests = 0
 
     def wait_until_ready(self) -> None:
         pass
@@ -275,6 +279,9 @@ class ScriptedActors:
     async def generate(
         self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
     ) -> list[Rollout]:
+        self.requests += 1
+        if self.requests == self.hold:
+            await asyncio.Event().wait()
         rollouts = []
         for index, prompt in enumerate(prompts):
             words = random.Random(str(prompt))
@@ -329,6 +336,7 @@ def _rank(
     settings: Training,
     vocabulary: int,
     gradients: str | None = None,
+    hold: int | None = None,
 ) -> None:
     from lockstep_workers.pod import PodEnvironment
     from lockstep_workers.trainer import train
@@ -338,7 +346,7 @@ def _rank(
     if gradients is not None:
         _record_first_gradients(Path(gradients))
     env = PodEnvironment(rank, world, ["scripted"], Path(shared), None, None, None, 0)
-    train(model, settings, env, ScriptedActors(vocabulary=vocabulary))
+    train(model, settings, env, ScriptedActors(vocabulary=vocabulary, hold=hold))
 
 
 def run_trainer(
@@ -510,6 +518,63 @@ def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_numbe
             torch.testing.assert_close(found["optimizer"]["state"][name][key], state[key], rtol=1e-4, atol=1e-7)
     kept = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
     assert kept == ["step-000003", "step-000004"]
+
+
+def recorded_rows(shared: Path) -> dict[int, list[str]]:
+    """Each step's prompts, one per completion, as rollouts.jsonl recorded them (all of its records)."""
+    steps: dict[int, list[str]] = {}
+    for line in (shared / "rollouts.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], []).append(record["prompt"])
+    return steps
+
+
+def test_a_trainer_killed_with_rows_sampled_but_not_learned_resumes_without_skipping_or_repeating_one(
+    tmp_path: Path,
+) -> None:
+    """maxLag 2: the producer samples two steps ahead. The actors never answer step 3's second group, so the
+    trainer waits in step 3 with that step's other groups and step 4's sampled but not learned; it is killed
+    (SIGKILL) there, once step 2 is recorded, and restarted: it learns steps 3 and 4 on the rows a trainer that
+    never stopped learned, and no row of the epoch twice."""
+    from lockstep_workers import text_task
+
+    shipped = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "larger"
+    settings = SETTINGS.model_copy(
+        update={
+            "max_lag": 2,
+            "checkpoint_every_steps": 0,
+            "reward": "lockstep_workers.rewards:math_exact_match",
+            "dataset": Dataset(train=str(shipped / "train.jsonl"), reward_fields=["answer"]),
+        }
+    )
+    model = text_task.create_model(tmp_path / "model")
+    size = text_task.VOCABULARY_SIZE
+    run_trainer(1, model, tmp_path / "straight", steps=4, settings=settings, vocabulary=size)
+    shared = tmp_path / "killed"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hold = 2 * settings.rollout.prompts_per_step + 2  # the 10th request: position 9, step 3's second group
+    held = settings.model_copy(update={"steps": 4})
+    trainer = mp.get_context("spawn").Process(
+        target=_rank, args=(0, 1, port, str(model), str(shared), held, size, None, hold)
+    )
+    trainer.start()
+    metrics = shared / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert trainer.is_alive() and time.monotonic() < deadline, "the trainer did not reach step 3"
+        time.sleep(0.1)
+    trainer.kill()
+    trainer.join()
+    assert sorted(recorded_rows(shared)) == [1, 2], "killed before learning step 3"
+    resumed = run_trainer(1, model, shared, steps=4, settings=settings, vocabulary=size)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    learned, straight = recorded_rows(shared), recorded_rows(tmp_path / "straight")
+    assert learned == straight, "the same rows, step by step"
+    rows = [prompt for step in sorted(learned) for prompt in learned[step]]
+    assert len(rows) == 4 * settings.rollout.prompts_per_step * settings.rollout.samples_per_prompt
+    assert len(set(rows)) == 4 * settings.rollout.prompts_per_step, "no row learned twice, none skipped"
 
 
 def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tmp_path: Path) -> None:
