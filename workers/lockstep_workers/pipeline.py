@@ -181,19 +181,29 @@ class RolloutProducer:
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-producer", daemon=True)
         self._changed: asyncio.Condition | None = None
         self._step_asked: asyncio.Event | None = None
-        self._main: Any = None
+        self._main: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
 
     def start(self) -> None:
         self.thread.start()
-        self._main = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
+        self._main = self._call(self._start())
+
+    async def _start(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self._produce())
 
     def close(self) -> None:
-        """Cancel what is in flight and stop the thread."""
+        """Cancel what is in flight, wait until it is, and stop the thread."""
         if self._main is not None:
-            self.loop.call_soon_threadsafe(self._main.cancel)
+            self._call(self._cancel(self._main))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
+        self.loop.close()
+
+    @staticmethod
+    async def _cancel(task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     def _call(self, work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(work, self.loop).result()

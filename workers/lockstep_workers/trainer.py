@@ -200,7 +200,8 @@ class Prompts:
         count = self.settings.rollout.prompts_per_step
         step = position // count + 1
         if step not in self._steps:
-            self._steps = {s: p for s, p in self._steps.items() if s >= step - 1}  # earlier steps are all sent
+            # Keep the step before (its dropped groups may be sampled again); an evicted step's are made again.
+            self._steps = {s: p for s, p in self._steps.items() if s >= step - 1}
             self._steps[step] = self.step(step)
         return self._steps[step][position % count]
 
