@@ -63,6 +63,9 @@ def metrics_table(result: RunResult) -> Table:
         ("|Δlogprob| on-policy", "onpolicy_mean_abs_logprob_diff", "{:.1e}"),
         ("lag", "staleness", "{:.0f}"),
         ("s", "seconds", "{:.1f}"),
+        ("learning s", "learn_seconds", "{:.2f}"),
+        ("waiting s", "rollout_wait_seconds", "{:.2f}"),
+        ("actors busy", "actor_busy_fraction", "{:.0%}"),
     )
     for title, _, _ in columns:
         table.add_column(title, justify="right")

@@ -526,6 +526,14 @@ CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_
 
 class RolloutSettings(Model):
     prompts_per_step: Annotated[int, Field(ge=1, le=65536)] = Field(8, description="Prompts sampled per step.")
+    groups_in_flight: Annotated[int, Field(ge=1, le=65536)] | None = Field(
+        None,
+        description="How many prompt groups (a prompt's samplesPerPrompt completions) the trainer keeps in flight "
+        "on the actors at once, taking prompts in the dataset's order, while it learns and publishes; a group is "
+        "sent only once the actors serve weights within spec.trainer.maxLag of the step that learns it, so maxLag "
+        "bounds how far generation runs ahead (0: none, synchronous RL). Unset: 2 x promptsPerStep, this step's "
+        "and the next's, so that the actors are not idle while the trainer waits for a step's last groups.",
+    )
     samples_per_prompt: Annotated[int, Field(ge=2, le=1024)] = Field(
         8, description="Completions per prompt: a group, whose mean reward is the baseline (GRPO/GSPO)."
     )
@@ -547,6 +555,11 @@ class RolloutSettings(Model):
         "a mask of the tokens the policy produced; the tokens the environment inserted stay out of the loss); see "
         "lockstep_workers.episodes. Unset: one completion of the prompt.",
     )
+
+    @property
+    def in_flight(self) -> int:
+        """groupsInFlight, or its default."""
+        return self.groups_in_flight if self.groups_in_flight is not None else 2 * self.prompts_per_step
 
 
 class PromptTemplate(StrEnum):
@@ -633,10 +646,12 @@ class Training(Model):
     steps: Annotated[int, Field(ge=1)] = Field(100, description="Optimiser steps; the job succeeds after the last.")
     max_lag: Annotated[int, Field(ge=0)] = Field(
         1,
-        description="How many versions the actors may be behind when a step's sampling starts: 0 waits for each "
-        "weight update to finish; 1 samples while the previous update is in flight. A hard bound: a sample with a "
-        "token more than maxLag versions behind the trainer's weights is dropped before the loss and sampled again "
-        "(counted as stale_samples_dropped, and in status.mismatch.staleSamplesDropped).",
+        description="How many versions behind the weights that learn it a sampled token may be, and so how far "
+        "generation runs ahead of learning (the rollout producer, spec.trainer.rollout.groupsInFlight): 0 is "
+        "synchronous on-policy RL (a step is sampled once the actors serve the previous step's weights); 1 samples "
+        "the next step while this one learns and its update is in flight. A hard bound: a group with a token more "
+        "than maxLag versions behind is dropped before the loss and its prompt sampled again (counted as "
+        "stale_samples_dropped, and in status.mismatch.staleSamplesDropped).",
     )
     seed: int = Field(0, description="Seed of the trainer's random state and of the prompt source.")
     rollout: RolloutSettings = Field(

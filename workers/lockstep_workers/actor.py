@@ -11,7 +11,8 @@ HTTP: ``POST /generate`` ({"prompt_token_ids": [...], "sampling": {...}} → tok
 processed logprobs and the weights version each token was sampled under), ``GET /ready`` (200 once
 the newest weights are loaded; the body has the version served, the history of weight updates
 with their times, the engine arguments applied and the settings satisfied by construction),
-``GET /metrics`` (Prometheus). A request the actor cannot serve as sent is answered 400 with
+``GET /metrics`` (Prometheus; ``lockstep_actor_busy_seconds_total``, the seconds with a request in progress, gives
+the trainer the actors' busy fraction). A request the actor cannot serve as sent is answered 400 with
 ``{"error": "<field>: what is wrong"}``. Nothing else: vLLM's dev-mode
 endpoints (/collective_rpc and friends) do not exist here; weights are reloaded only through the
 barrier agent, which acts on commands the operator writes on this pod, and only from the job's own weights
@@ -57,6 +58,30 @@ TOKENS = Counter("lockstep_actor_generated_tokens_total", "Tokens this actor sam
 WEIGHTS_VERSION = Gauge("lockstep_actor_weights_version", "The weights version this actor serves.")
 PAUSED = Gauge("lockstep_actor_paused", "1 while a weight update holds generation.")
 UPDATES = Counter("lockstep_actor_weight_updates_total", "Weight versions this actor loaded.")
+BUSY_SECONDS_METRIC = "lockstep_actor_busy_seconds"
+BUSY_SECONDS = Counter(
+    BUSY_SECONDS_METRIC, "Seconds this actor had at least one /generate request in progress (its busy time)."
+)
+
+
+class BusyClock:
+    """Counts the seconds during which at least one request is in progress into ``BUSY_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.in_progress = 0
+        self.since = 0.0
+
+    def start(self) -> None:
+        if self.in_progress == 0:
+            self.since = time.monotonic()
+        self.in_progress += 1
+
+    def stop(self) -> None:
+        self.in_progress -= 1
+        if self.in_progress == 0:
+            BUSY_SECONDS.inc(time.monotonic() - self.since)
+
+
 BASE_VERSION = 0
 """The version of the base model the actor starts from, before any published weights."""
 
@@ -234,7 +259,10 @@ def application(
     """The actor's HTTP API; /ready answers 200 once ``ready`` is set and the actor serves
     ``serving_at_least`` or newer, and reports the ``applied`` settings either way."""
 
+    busy = BusyClock()
+
     async def generate(request: web.Request) -> web.Response:
+        busy.start()
         try:
             body = await request.json()
             prompt = body.get("prompt_token_ids") if isinstance(body, dict) else None
@@ -250,6 +278,8 @@ def application(
             return web.json_response({"error": f"body: not JSON ({error})"}, status=400)
         except BadRequest as error:
             return web.json_response({"error": str(error)}, status=400)
+        finally:
+            busy.stop()
 
     async def readiness(_: web.Request) -> web.Response:
         is_ready = ready.is_set() and actor.serving >= serving_at_least

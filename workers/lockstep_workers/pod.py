@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 
 from lockstep import environment, keys
 from lockstep.api import WeightSyncBackend
@@ -62,14 +62,31 @@ STEP_METRICS = (
     "publish_gather_seconds",
     "publish_wait_seconds",
     "publish_seconds",
+    "learn_seconds",
+    "rollout_wait_seconds",
+    "tokens_generated_per_second",
+    "tokens_learned_per_second",
+    "spanning_sequences",
+    "actor_busy_fraction",
 )
 """Every step's metrics, in metrics.jsonl and as Prometheus gauges ``lockstep_trainer_<name>`` (the rollout
 correction's and the mismatch's under the names verl uses, docs/corrections.md). What a publish
 costs the trainer: ``publish_gather_seconds``, the gather of the full weights from the shards (a collective);
 ``publish_wait_seconds``, how long rank 0 waited for the previous version's publish since it handed that one over
 (before a checkpoint, before this one, or until the actors could serve it, spec.trainer.maxLag); and, off the
-trainer's path, ``publish_seconds``, the background write, hash, flush and rename of this version."""
+trainer's path, ``publish_seconds``, the background write, hash, flush and rename of this version. Where the rest
+of the step went (lockstep_workers.pipeline): ``learn_seconds``, learning; ``rollout_wait_seconds``, waiting for
+the step's groups; the tokens the actors generated and the step learned per second since the previous step; how
+many learned sequences span weights versions; and ``actor_busy_fraction``, the actors' mean share of that time with
+a request in progress, by their own count (only when they report it)."""
 GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
+LAG_PREFIX, LAG_SUFFIX = "lag_", "_sequences"
+"""A step's ``lag_<n>_sequences``: how many of its sequences' oldest tokens are n versions behind its weights."""
+STALENESS = Histogram(
+    "lockstep_trainer_sequence_staleness",
+    "How many versions each learned sequence's oldest token is behind the weights it is learned with.",
+    buckets=(0, 1, 2, 3, 4, 8, 16),
+)
 EVAL_REWARD = "eval_reward"
 """The metric of the steps that evaluate first (spec.trainer.eval): the mean reward of greedy completions of the
 eval split under the weights the step starts from (version step - 1)."""
@@ -184,7 +201,12 @@ def record(env: PodEnvironment, step: int, seconds: float, metrics: Mapping[str,
     with env.metrics_file.open("a") as stream:
         stream.write(json.dumps(line) + "\n")
     for name, gauge in GAUGES.items():
-        gauge.set(metrics[name])
+        if name in metrics:
+            gauge.set(metrics[name])
+    for name, value in metrics.items():
+        if name.startswith(LAG_PREFIX) and name.endswith(LAG_SUFFIX):
+            for _ in range(int(value)):
+                STALENESS.observe(int(name.removeprefix(LAG_PREFIX).removesuffix(LAG_SUFFIX)))
     if EVAL_REWARD in metrics:
         EVAL_GAUGE.set(metrics[EVAL_REWARD])
     PUBLISHED.set(step)

@@ -24,14 +24,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
 from lockstep import environment
+from lockstep_workers.actor import BUSY_SECONDS_METRIC
 from lockstep_workers.episodes import EpisodeClient, Generation, RolloutFunction, episode_rollout, single_turn
-from lockstep_workers.learner import Rollout, lag_of
+from lockstep_workers.learner import Rollout
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -52,7 +53,7 @@ PROBE_SECONDS = 2.0
 MAX_ATTEMPTS = 4
 """How many actors one sample is tried on before it fails the step."""
 STALE_RESAMPLINGS = 3
-"""How many times a step samples again the samples it dropped as too stale before it gives up."""
+"""How many times a prompt group dropped as too stale is sampled again before the trainer gives up."""
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 """The label the EndpointSlice controller puts on a Service's slices."""
 
@@ -74,11 +75,18 @@ class Actors(Protocol):
     def wait_for_version(self, version: int) -> None:
         """Return once the actors serve ``version`` or newer."""
 
-    def sample(
+    async def served_version(self) -> int:
+        """The oldest weights version the actors serve now (-1 while none answers)."""
+
+    async def generate(
         self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
     ) -> list[Rollout]:
         """``group`` completions of every prompt, with their processed logprobs and versions (``rows``: each
         prompt's dataset row, for the rollout function)."""
+
+    async def busy_seconds(self) -> dict[str, float]:
+        """Each actor's busy seconds so far, as its own /metrics counts them (``BUSY_SECONDS_METRIC``); the
+        actors that do not answer are left out."""
 
 
 class Discovery(Protocol):
@@ -281,14 +289,9 @@ class ActorService:
         (spec.weightSync.mode Rolling) each actor resumes on its own. A barrier that never ends is the operator's
         to fail (spec.weightSync.barrierTimeoutSeconds), which deletes this pod."""
 
-        async def served(session: aiohttp.ClientSession) -> int:
-            urls = sorted(u for u, ready in self.discovery.endpoints().items() if ready)
-            answers = [a for a in await asyncio.gather(*(ready_version(session, u) for u in urls)) if a is not None]
-            return min(answers, default=-1)
-
         async def wait(session: aiohttp.ClientSession) -> None:
             logged = time.monotonic()
-            while await served(session) < version:
+            while await self._served(session) < version:
                 if time.monotonic() - logged > WAITING_LOG_SECONDS:
                     logger.info("waiting for the actors to serve weights version %d (spec.trainer.maxLag)", version)
                     logged = time.monotonic()
@@ -296,10 +299,19 @@ class ActorService:
 
         _run(wait)
 
-    def sample(
+    async def _served(self, session: aiohttp.ClientSession) -> int:
+        urls = sorted(u for u, ready in self.discovery.endpoints().items() if ready)
+        answers = [a for a in await asyncio.gather(*(ready_version(session, u) for u in urls)) if a is not None]
+        return min(answers, default=-1)
+
+    async def served_version(self) -> int:
+        async with aiohttp.ClientSession() as session:
+            return await self._served(session)
+
+    async def generate(
         self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
     ) -> list[Rollout]:
-        sampled = collect_rollouts(
+        return await collect_rollouts(
             self.discovery,
             prompts,
             group,
@@ -309,7 +321,36 @@ class ActorService:
             request_timeout=self.request_timeout,
             function=self.function,
         )
-        return asyncio.run(sampled)
+
+    def sample(
+        self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
+    ) -> list[Rollout]:
+        """``generate``, on a fresh event loop."""
+        return asyncio.run(self.generate(prompts, group, sampling, rows))
+
+    async def busy_seconds(self) -> dict[str, float]:
+        async with aiohttp.ClientSession() as session:
+            urls = sorted(u for u, ready in self.discovery.endpoints().items() if ready)
+            answers = await asyncio.gather(*(busy_seconds(session, u) for u in urls))
+        return {url: seconds for url, seconds in zip(urls, answers, strict=True) if seconds is not None}
+
+
+async def busy_seconds(session: aiohttp.ClientSession, url: str) -> float | None:
+    """The busy seconds the actor at ``url`` counts on its /metrics, or None when it does not answer them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_SECONDS)
+        async with session.get(f"{url}/metrics", timeout=timeout) as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == BUSY_SECONDS_METRIC:
+            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+    return None
 
 
 async def collect_rollouts(
@@ -398,41 +439,3 @@ async def collect_rollouts(
         finally:
             keeper.cancel()
         return [task.result() for task in sampled]
-
-
-def fresh_rollouts(
-    actors: Actors,
-    prompts: Sequence[list[int]],
-    group: int,
-    sampling: dict[str, Any],
-    version: int,
-    max_lag: int,
-    rows: Rows = None,
-) -> tuple[list[Rollout], int]:
-    """``actors.sample`` under the staleness bound: a sample with a token more than ``max_lag`` versions behind
-    ``version`` (the trainer's) is dropped and the same prompt sampled again, once the actors serve a version within
-    the bound (at most ``STALE_RESAMPLINGS`` rounds; then RolloutError). Returns the rollouts, each group whole, and
-    how many samples were dropped."""
-    sampled = actors.sample(prompts, group, sampling, rows)
-    dropped = 0
-    for resampling in range(STALE_RESAMPLINGS + 1):
-        stale = [n for n, rollout in enumerate(sampled) if lag_of(rollout, version) > max_lag]
-        if not stale:
-            break
-        if resampling == STALE_RESAMPLINGS:
-            raise RolloutError(
-                f"samples were still more than spec.trainer.maxLag {max_lag} versions behind weights version "
-                f"{version} after {STALE_RESAMPLINGS} resamplings: the actors report a version within the bound but "
-                "sample under an older one"
-            )
-        dropped += len(stale)
-        logger.warning(
-            "dropped %d sample(s) more than %d version(s) behind %d: sampling again", len(stale), max_lag, version
-        )
-        actors.wait_for_version(version - max_lag)
-        again = actors.sample(
-            [sampled[n].prompt for n in stale], 1, sampling, [rows[sampled[n].group] for n in stale] if rows else None
-        )
-        for n, rollout in zip(stale, again, strict=True):
-            sampled[n] = replace(rollout, group=sampled[n].group)
-    return sampled, dropped

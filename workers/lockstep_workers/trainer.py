@@ -6,7 +6,10 @@ lockstep_workers.sharding) in a torch.distributed group ($RANK, $WORLD_SIZE, $MA
 gloo on CPUs). Each step rank 0 takes its prompts from the job's dataset (lockstep_workers.dataset) or prompt source,
 samples rollouts from the actors (lockstep_workers.rollouts), scores them with the job's reward function in a process
 pool (lockstep_workers.scoring) and hands each rank whole prompt groups to learn from (lockstep_workers.learner); every
-spec.trainer.eval.everySteps steps it first evaluates the weights the step starts from on the eval split; the full
+spec.trainer.eval.everySteps steps it first evaluates the weights the step starts from on the eval split. Rank 0's
+rollout producer (lockstep_workers.pipeline) keeps spec.trainer.rollout.groupsInFlight prompt groups in flight on the
+actors through learning, publishing and weight updates, within spec.trainer.maxLag; each step takes its groups as soon
+as they are finished and scored. The full
 weights, gathered from the shards, are published under $LOCKSTEP_SHARED_DIR/weights and announced on rank 0's pod (the
 operator runs the barrier) in the background, while the next step runs; the step's metrics go to
 $LOCKSTEP_SHARED_DIR/metrics.jsonl and to Prometheus (lockstep_workers.pod). Every spec.trainer.checkpointEverySteps the
@@ -25,8 +28,8 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +43,13 @@ from lockstep.protocol import EvalResult, Mismatch, Weights
 from lockstep_workers import checkpoint, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
 from lockstep_workers.episodes import RolloutFunction, single_turn
-from lockstep_workers.learner import Rollout, across_ranks, learn
+from lockstep_workers.learner import Policy, Rollout, across_ranks, lag_of, learn
+from lockstep_workers.pipeline import Group, RolloutProducer, Schedule
 from lockstep_workers.pod import (
     EVAL_REWARD,
     EVAL_ROWS,
+    LAG_PREFIX,
+    LAG_SUFFIX,
     PodEnvironment,
     Sending,
     announce,
@@ -51,7 +57,7 @@ from lockstep_workers.pod import (
     record,
     record_rollouts,
 )
-from lockstep_workers.rollouts import Actors, ActorService, discovery, fresh_rollouts
+from lockstep_workers.rollouts import Actors, ActorService, discovery
 from lockstep_workers.scoring import RewardInput, Scorer, load_callable
 from lockstep_workers.transfer import manifest_uri
 from lockstep_workers.weights import (
@@ -178,6 +184,8 @@ class Prompts:
             except DatasetError as error:
                 raise SystemExit(f"spec.trainer.dataset: {error}") from error
         self.source: PromptSource = load_callable(settings.prompts)
+        self._steps: dict[int, list[Prompt]] = {}
+        """The prompts of the steps whose positions are being sampled (a step's are made together)."""
 
     def step(self, step: int) -> list[Prompt]:
         count = self.settings.rollout.prompts_per_step
@@ -185,6 +193,17 @@ class Prompts:
             return self.dataset.step_prompts(step, count)
         token_ids = self.source(step, count, self.settings.seed)
         return [Prompt(ids, self.tokenizer.decode(ids), {}) for ids in token_ids]
+
+    def at(self, position: int) -> Prompt:
+        """The prompt at ``position`` in the job's sequence (lockstep_workers.pipeline): step position // count + 1's
+        prompt position % count."""
+        count = self.settings.rollout.prompts_per_step
+        step = position // count + 1
+        if step not in self._steps:
+            # Keep the step before (its dropped groups may be sampled again); an evicted step's are made again.
+            self._steps = {s: p for s, p in self._steps.items() if s >= step - 1}
+            self._steps[step] = self.step(step)
+        return self._steps[step][position % count]
 
     def evaluation(self) -> list[Prompt]:
         return self.dataset.eval_prompts(self.settings.eval.prompts) if self.dataset is not None else []
@@ -202,12 +221,56 @@ class Prompts:
         ]
 
 
-def evaluate(actors: Actors, prompts: Prompts, scorer: Scorer, max_tokens: int) -> dict[str, float]:
-    """The mean reward of one greedy completion of each eval row, from the actors, and how many rows."""
+def evaluate(producer: RolloutProducer, prompts: Prompts, scorer: Scorer, max_tokens: int) -> dict[str, float]:
+    """The mean reward of one greedy completion of each eval row, from the actors (beside the training requests),
+    and how many rows."""
     evaluated = prompts.evaluation()
-    sampled = actors.sample([p.token_ids for p in evaluated], 1, {**GREEDY, "max_tokens": max_tokens})
+    sampled = producer.evaluate([p.token_ids for p in evaluated], {**GREEDY, "max_tokens": max_tokens})
     rewards, _ = scorer.scores(prompts.reward_inputs(sampled, evaluated))
     return {EVAL_REWARD: sum(rewards) / len(rewards), EVAL_ROWS: float(len(rewards))}
+
+
+def score_group(
+    prompts: Prompts, scorer: Scorer, rollouts: list[Rollout], prompt: Prompt
+) -> tuple[list[RewardInput], list[float], int]:
+    """The reward of one prompt's samples (``rollouts``, of group 0), what it saw of them, and how many it raised on."""
+    inputs = prompts.reward_inputs(rollouts, [prompt])
+    rewards, errors = scorer.scores(inputs)
+    return inputs, rewards, errors
+
+
+def batch_of(groups: Sequence[Group]) -> tuple[list[Rollout], list[RewardInput], list[float], int]:
+    """A step's rollouts (group n: its nth prompt), what the reward saw of them, their rewards and reward errors."""
+    rollouts = [replace(r, group=n) for n, group in enumerate(groups) for r in group.rollouts]
+    inputs = [sample for group in groups for sample in group.inputs]
+    rewards = [reward for group in groups for reward in group.rewards]
+    return rollouts, inputs, rewards, sum(group.reward_errors for group in groups)
+
+
+def pipeline_metrics(
+    rollouts: Sequence[Rollout], version: int, max_lag: int, generated: int, interval: float, busy: float | None
+) -> dict[str, float]:
+    """Where the step's time went, beside its learn and wait seconds: tokens generated (``generated``, by the
+    actors, kept or dropped) and learned per second of ``interval`` (since the previous step's), the actors' busy
+    fraction (``busy``; left out when no actor reports it), the sequences learned at each lag behind ``version``
+    (``lag_<n>_sequences``, n from 0 to ``max_lag``) and how many span versions."""
+    learned = sum(len(r.completion) for r in rollouts)
+    lags = [lag_of(r, version) for r in rollouts]
+    metrics = {
+        "tokens_generated_per_second": generated / interval,
+        "tokens_learned_per_second": learned / interval,
+        "spanning_sequences": float(sum(len(set(r.versions)) > 1 for r in rollouts)),
+        **{f"{LAG_PREFIX}{n}{LAG_SUFFIX}": float(lags.count(n)) for n in range(max_lag + 1)},
+    }
+    if busy is not None:
+        metrics["actor_busy_fraction"] = busy
+    return metrics
+
+
+def busy_fraction(before: dict[str, float], after: dict[str, float], interval: float) -> float | None:
+    """The mean over the actors that reported both times of their busy share of ``interval``."""
+    shares = [min(1.0, (after[url] - before[url]) / interval) for url in after if url in before]
+    return sum(shares) / len(shares) if shares else None
 
 
 def train(model_path: str, settings: Training, env: PodEnvironment, actors: Actors) -> None:
@@ -252,14 +315,12 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     optimizer = torch.optim.Adam(policy.parameters(), lr=settings.objective.learning_rate)
     resumed = restore(env, causal_lm, optimizer)
     rollout = settings.rollout
-    every = settings.eval.every_steps
     sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
 
-    # Rank 0: serve the metrics, and with a collective backend the weights; wait until every actor serves.
-    # ``waited``: how long rank 0 has waited for a publish since it handed over the last one.
+    # Rank 0: serve the metrics, and with a collective backend the weights; wait until every actor serves; start
+    # the rollout producer from the first position of the first step.
     sending: Sending | None = None
-    publisher = Publisher() if leader else None
-    waited = 0.0
+    producer: RolloutProducer | None = None
     if leader:
         if env.metrics_port:
             start_http_server(env.metrics_port)
@@ -269,37 +330,71 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             logger.info("announcing weights version %d again, for the actors to load", resumed.announce_again.version)
             announce(_as_announced(env, resumed.announce_again), env.namespace, env.pod)
         actors.wait_until_ready()
-    for step in range(resumed.first_step, settings.steps + 1):
+        assert prompts is not None and scorer is not None
+        count = rollout.prompts_per_step
+        schedule = Schedule(
+            count, settings.max_lag, rollout.in_flight, (resumed.first_step - 1) * count, settings.steps * count
+        )
+        score = functools.partial(score_group, prompts, scorer)
+        producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)
+        producer.start()
+    try:
+        _steps(settings, env, resumed.first_step, producer, prompts, scorer, policy, optimizer, causal_lm, budget)
+    finally:
+        if producer is not None:
+            producer.close()
+    if sending is not None:
+        logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
+        actors.wait_for_version(settings.steps)
+        sending.close(final=settings.steps)
+    dist.destroy_process_group()
+
+
+def _steps(
+    settings: Training,
+    env: PodEnvironment,
+    first_step: int,
+    producer: RolloutProducer | None,
+    prompts: Prompts | None,
+    scorer: Scorer | None,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    causal_lm: torch.nn.Module,
+    budget: float,
+) -> None:
+    """The steps from ``first_step``, on every rank; rank 0 (with the ``producer``) takes, publishes, records."""
+    rollout = settings.rollout
+    every = settings.eval.every_steps
+    device = sharding.accelerator(env.local_rank)
+    publisher = Publisher() if producer is not None else None
+    waited = 0.0  # how long rank 0 has waited for a publish since it handed over the last one
+    handed_over = time.monotonic()  # when rank 0 handed over the previous step's publish
+    busy = producer.busy_seconds() if producer is not None else {}
+    generated = 0
+    for step in range(first_step, settings.steps + 1):
         started = time.monotonic()
 
-        # Evaluate (rank 0, when due): once the actors serve the weights this step starts from.
-        # Wait until the actors serve weights no more than spec.trainer.maxLag versions behind this step's.
-        # Sample and score (rank 0): promptsPerStep prompts, samplesPerPrompt completions each.
-        # A sample with a token more than maxLag versions behind this step's weights is dropped and sampled again.
+        # Evaluate (rank 0, when due): once the actors serve the weights this step starts from, beside the
+        # training requests. Take (rank 0) this step's promptsPerStep groups of samplesPerPrompt completions,
+        # scored, from the producer, once the publish of the version maxLag behind this step's is written.
         batch: list[Any] = [None]
-        if leader:
+        if producer is not None:
             assert prompts is not None and scorer is not None and publisher is not None
             evaluation: dict[str, float] = {}
             if every and (step - 1) % every == 0:
                 waited += publisher.wait_for(step - 1)
-                actors.wait_for_version(step - 1)
-                evaluation = evaluate(actors, prompts, scorer, rollout.max_tokens)
+                producer.actors.wait_for_version(step - 1)
+                evaluation = evaluate(producer, prompts, scorer, rollout.max_tokens)
             waited += publisher.wait_for(step - 1 - settings.max_lag)
-            actors.wait_for_version(step - 1 - settings.max_lag)
-            asked = prompts.step(step)
-            sampled, dropped = fresh_rollouts(
-                actors,
-                [p.token_ids for p in asked],
-                rollout.samples_per_prompt,
-                sampling,
-                version=step - 1,
-                max_lag=settings.max_lag,
-                rows=[p.row for p in asked],
-            )
-            inputs = prompts.reward_inputs(sampled, asked)
-            scored, errors = scorer.scores(inputs)
+            dropped = producer.counts.samples_dropped
+            taking = time.monotonic()
+            sampled, inputs, scored, errors = batch_of(producer.take(step))
+            counts = {
+                "rollout_wait_seconds": time.monotonic() - taking,
+                "reward_errors": float(errors),
+                "stale_samples_dropped": float(producer.counts.samples_dropped - dropped),
+            }
             record_rollouts(env, step, inputs, scored)
-            counts = {"reward_errors": float(errors), "stale_samples_dropped": float(dropped)}
             batch = [(sampled, scored, {**counts, **evaluation})]
 
         # Share: every rank gets the batch, and learns from its own prompt groups.
@@ -308,6 +403,7 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         mine = [n for n, r in enumerate(everything) if r.group % env.world_size == env.rank]
 
         # Learn: minibatches of micro-batches; FSDP reduces the gradients, and the metrics are combined here.
+        learning = time.monotonic()
         metrics = learn(
             policy,
             optimizer,
@@ -320,6 +416,7 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             max_lag=settings.max_lag,
         )
         metrics = across_ranks(metrics, device)
+        metrics["learn_seconds"] = time.monotonic() - learning
         metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
         metrics.update(scoring)
 
@@ -330,10 +427,23 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         gathering = time.monotonic()
         whole = sharding.full_state_dict(causal_lm)
         gathered = time.monotonic() - gathering
-        if publisher is not None:
+        if publisher is not None and producer is not None:
             waited += publisher.wait()
             metrics.update(publish_gather_seconds=gathered, publish_wait_seconds=waited)
-            seconds = time.monotonic() - started
+            now = time.monotonic()
+            seconds, interval, handed_over = now - started, now - handed_over, now
+            busy, before = producer.busy_seconds(), busy
+            generated, before_generated = producer.counts.tokens_generated, generated
+            metrics.update(
+                pipeline_metrics(
+                    everything,
+                    step - 1,
+                    settings.max_lag,
+                    generated - before_generated,
+                    interval,
+                    busy_fraction(before, busy, interval),
+                )
+            )
             work = functools.partial(_publish_and_announce, env, settings, step, whole, metrics, seconds, budget)
             publisher.start(step, work)
             waited = 0.0
@@ -342,14 +452,8 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             if publisher is not None:
                 waited += publisher.wait()
             checkpoint.save(env.checkpoints_dir, step, causal_lm, optimizer, device, settings.checkpoints_kept)
-
     if publisher is not None:
         publisher.wait()
-    if sending is not None:
-        logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
-        actors.wait_for_version(settings.steps)
-        sending.close(final=settings.steps)
-    dist.destroy_process_group()
 
 
 def _publish_and_announce(

@@ -4,10 +4,13 @@ stopped between steps and restarted, with another number of ranks, goes on from 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import socket
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -197,39 +200,9 @@ def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_ver
 
 
 def test_a_sample_older_than_max_lag_never_reaches_the_loss(tmp_path: Path) -> None:
-    from lockstep_workers.rollouts import fresh_rollouts
-
+    """The producer drops such samples before (test_pipeline.py); ``learn`` refuses any that get through."""
     model = tiny(tmp_path / "model")
     [fresh] = sample(model, [[1, 10, 11]], group=1, length=4)
-
-    class Actors:
-        """The first sampling has one token two versions behind; samples taken again are current."""
-
-        def __init__(self) -> None:
-            self.calls: list[tuple[int, int]] = []
-
-        def wait_until_ready(self) -> None: ...
-
-        def wait_for_version(self, version: int) -> None:
-            self.calls.append((-1, version))
-
-        def sample(
-            self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
-        ) -> list[Rollout]:
-            self.calls.append((len(prompts), group))
-            versions = [5, 5, 5, 5] if len(self.calls) > 1 else [3, 4, 5, 5]
-            return [
-                Rollout(fresh.prompt, fresh.completion, fresh.logprobs, n, versions)
-                for n in range(len(prompts))
-                for _ in range(group)
-            ]
-
-    actors = Actors()
-    sampled, dropped = fresh_rollouts(actors, [fresh.prompt] * 2, 2, {}, version=5, max_lag=1)
-    assert dropped == 4 and actors.calls == [(2, 2), (-1, 4), (4, 1)], "dropped, then sampled again within the bound"
-    assert [r.group for r in sampled] == [0, 0, 1, 1] and all(learner.lag_of(r, 5) == 0 for r in sampled)
-    assert fresh_rollouts(actors, [fresh.prompt], 2, {}, version=6, max_lag=1)[1] == 0, "one version behind: kept"
-
     stale = Rollout(fresh.prompt, fresh.completion, fresh.logprobs, 0, [3, 4, 5, 5])
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -334,11 +307,13 @@ def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: P
 
 class ScriptedActors:
     """Actors whose completions depend on the prompt alone (the same batch for the same step, whatever the weights),
-    sampled under the version the trainer last published."""
+    that serve every version at once and report no busy time. The ``hold``th request (from 1) is never answered."""
 
-    def __init__(self, length: int = 6, vocabulary: int = 256) -> None:
+    def __init__(self, length: int = 6, vocabulary: int = 256, hold: int | None = None) -> None:
         self.length = length
         self.vocabulary = vocabulary
+        self.hold = hold
+        self.requests = 0
 
     def wait_until_ready(self) -> None:
         pass
@@ -346,9 +321,18 @@ class ScriptedActors:
     def wait_for_version(self, version: int) -> None:
         pass
 
-    def sample(
+    async def served_version(self) -> int:
+        return sys.maxsize
+
+    async def busy_seconds(self) -> dict[str, float]:
+        return {}
+
+    async def generate(
         self, prompts: Sequence[list[int]], group: int, sampling: dict[str, Any], rows: Rows = None
     ) -> list[Rollout]:
+        self.requests += 1
+        if self.requests == self.hold:
+            await asyncio.Event().wait()
         rollouts = []
         for index, prompt in enumerate(prompts):
             words = random.Random(str(prompt))
@@ -369,26 +353,70 @@ SETTINGS = Training.model_validate(
 )
 
 
-def _rank(rank: int, world: int, port: int, model: str, shared: str, settings: Training, vocabulary: int) -> None:
+def gradient_fingerprint(parameters: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Per parameter, in order: the sum, the L2 norm and a seeded random projection of its gradient."""
+    fingerprint = []
+    for index, parameter in enumerate(parameters):
+        assert parameter.grad is not None
+        grad: Any = parameter.grad
+        whole = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().double().flatten()
+        projection = torch.randn(whole.numel(), generator=torch.Generator().manual_seed(index), dtype=torch.float64)
+        fingerprint.append([float(whole.sum()), float(whole.norm()), float(whole @ projection)])
+    return fingerprint
+
+
+def _record_first_gradients(path: Path) -> None:
+    """In this process, write the first optimizer step's gradient fingerprint to ``path`` (JSON)."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not path.exists():
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            path.write_text(json.dumps(gradient_fingerprint(parameters)))
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(hook)
+
+
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    model: str,
+    shared: str,
+    settings: Training,
+    vocabulary: int,
+    gradients: str | None = None,
+    hold: int | None = None,
+) -> None:
     from lockstep_workers.pod import PodEnvironment
     from lockstep_workers.trainer import train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if gradients is not None:
+        _record_first_gradients(Path(gradients))
     env = PodEnvironment(rank, world, ["scripted"], Path(shared), None, None, None, 0)
-    train(model, settings, env, ScriptedActors(vocabulary=vocabulary))
+    train(model, settings, env, ScriptedActors(vocabulary=vocabulary, hold=hold))
 
 
 def run_trainer(
-    world: int, model: Path, shared: Path, steps: int, settings: Training = SETTINGS, vocabulary: int = 256
+    world: int,
+    model: Path,
+    shared: Path,
+    steps: int,
+    settings: Training = SETTINGS,
+    vocabulary: int = 256,
+    gradients: Path | None = None,
 ) -> list[dict[str, Any]]:
     """``steps`` steps (counted from where the job's directory ``shared`` left off) on ``world`` ranks; every
-    step's record so far."""
+    step's record so far. ``gradients``: where rank 0 writes its first optimizer step's gradient fingerprint."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     settings = settings.model_copy(update={"steps": steps})
-    mp.spawn(_rank, args=(world, port, str(model), str(shared), settings, vocabulary), nprocs=world)
+    recorded = str(gradients) if gradients is not None else None
+    mp.spawn(_rank, args=(world, port, str(model), str(shared), settings, vocabulary, recorded), nprocs=world)
     return [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -543,6 +571,63 @@ def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_numbe
     assert kept == ["step-000003", "step-000004"]
 
 
+def recorded_rows(shared: Path) -> dict[int, list[str]]:
+    """Each step's prompts, one per completion, as rollouts.jsonl recorded them (all of its records)."""
+    steps: dict[int, list[str]] = {}
+    for line in (shared / "rollouts.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], []).append(record["prompt"])
+    return steps
+
+
+def test_a_trainer_killed_with_rows_sampled_but_not_learned_resumes_without_skipping_or_repeating_one(
+    tmp_path: Path,
+) -> None:
+    """maxLag 2: the producer samples two steps ahead. The actors never answer step 3's second group, so the
+    trainer waits in step 3 with that step's other groups and step 4's sampled but not learned; it is killed
+    (SIGKILL) there, once step 2 is recorded, and restarted: it learns steps 3 and 4 on the rows a trainer that
+    never stopped learned, and no row of the epoch twice."""
+    from lockstep_workers import text_task
+
+    shipped = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "larger"
+    settings = SETTINGS.model_copy(
+        update={
+            "max_lag": 2,
+            "checkpoint_every_steps": 0,
+            "reward": "lockstep_workers.rewards:math_exact_match",
+            "dataset": Dataset(train=str(shipped / "train.jsonl"), reward_fields=["answer"]),
+        }
+    )
+    model = text_task.create_model(tmp_path / "model")
+    size = text_task.VOCABULARY_SIZE
+    run_trainer(1, model, tmp_path / "straight", steps=4, settings=settings, vocabulary=size)
+    shared = tmp_path / "killed"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hold = 2 * settings.rollout.prompts_per_step + 2  # the 10th request: position 9, step 3's second group
+    held = settings.model_copy(update={"steps": 4})
+    trainer = mp.get_context("spawn").Process(
+        target=_rank, args=(0, 1, port, str(model), str(shared), held, size, None, hold)
+    )
+    trainer.start()
+    metrics = shared / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert trainer.is_alive() and time.monotonic() < deadline, "the trainer did not reach step 3"
+        time.sleep(0.1)
+    trainer.kill()
+    trainer.join()
+    assert sorted(recorded_rows(shared)) == [1, 2], "killed before learning step 3"
+    resumed = run_trainer(1, model, shared, steps=4, settings=settings, vocabulary=size)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    learned, straight = recorded_rows(shared), recorded_rows(tmp_path / "straight")
+    assert learned == straight, "the same rows, step by step"
+    rows = [prompt for step in sorted(learned) for prompt in learned[step]]
+    assert len(rows) == 4 * settings.rollout.prompts_per_step * settings.rollout.samples_per_prompt
+    assert len(set(rows)) == 4 * settings.rollout.prompts_per_step, "no row learned twice, none skipped"
+
+
 def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tmp_path: Path) -> None:
     """The demo's text task (spec.trainer.dataset, a reward on text, eval every 2 steps): a trainer stopped after
     step 2 and restarted asks for the same prompts in steps 3 and 4 as one that never stopped; each completion is
@@ -575,3 +660,19 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
 
     assert prompts(tmp_path / "resumed") == prompts(tmp_path / "straight")
     assert len({prompt for _, prompt, _ in prompts(tmp_path / "straight")}) == 4 * 4, "4 new rows a step"
+
+
+FIRST_STEP_GRADIENTS = Path(__file__).parent / "data" / "first_step_gradients.json"
+"""Recorded from the serial loop (sample, then learn, then publish; commit c7a623c) by the test below's run."""
+
+
+def test_max_lag_0_learns_the_first_step_with_the_gradients_of_the_serial_loop(tmp_path: Path) -> None:
+    """maxLag 0 is synchronous on-policy RL as before the pipeline: the same seed gives the same gradients in the
+    first step's first optimizer step as the serial loop gave (its fingerprint, recorded by this run on that code)."""
+    settings = SETTINGS.model_copy(update={"max_lag": 0, "seed": 3})
+    found = tmp_path / "gradients.json"
+    run_trainer(1, create_tiny_llama(tmp_path / "model"), tmp_path / "shared", 1, settings, gradients=found)
+    expected = json.loads(FIRST_STEP_GRADIENTS.read_text())
+    torch.testing.assert_close(
+        torch.tensor(json.loads(found.read_text())), torch.tensor(expected), rtol=1e-5, atol=1e-8
+    )

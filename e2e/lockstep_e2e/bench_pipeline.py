@@ -1,0 +1,182 @@
+"""Benchmark: the rollout pipeline's scheduling alone, with stubs (``make bench-pipeline``; writes
+out/benchmarks/pipeline.json).
+
+``python -m lockstep_e2e.bench_pipeline [--steps 12] [--sample-seconds 0.4] [--learn-seconds 0.4] [--lags 0 1 2]``
+
+- the actor: the real actor's HTTP API (lockstep_workers.actor.application: /generate, /ready, /metrics with its
+  busy-seconds counter) over an ``Actor`` whose generation emits ``max_tokens`` tokens at a fixed rate, each
+  tagged with the version it serves at that moment; it serves a new version the moment the learner publishes;
+- the learner: takes ``learn-seconds`` a step, then publishes the next version;
+- the trainer's client: the real ``ActorService`` over HTTP.
+For each maxLag: **before**, the serial loop the trainer ran up to issue 23 (wait until the actors serve a version
+within maxLag, sample the step's prompts, learn, publish); **after**, ``RolloutProducer`` (groupsInFlight at its
+default, 2 x promptsPerStep). Reported, in the steady state (after the first step): the step's wall time (median)
+against the max and the sum of the sample and learn times, the actors' idle fraction (from their own busy seconds)
+and the trainer's (not learning), and samples dropped as stale.
+
+Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from lockstep_e2e.benchmarks import write_results
+from lockstep_e2e.cluster import free_port
+from lockstep_e2e.install import REPO
+from lockstep_workers.actor import Actor, application
+from lockstep_workers.dataset import Prompt
+from lockstep_workers.learner import Rollout
+from lockstep_workers.pipeline import RolloutProducer, Schedule
+from lockstep_workers.rollouts import ActorService, FixedActors
+from lockstep_workers.vllm_args import AppliedSettings
+
+PROMPTS_PER_STEP = 4
+SAMPLES_PER_PROMPT = 4
+MAX_TOKENS = 16
+
+
+class SteadyActor(Actor):
+    """An actor without an engine: ``max_tokens`` tokens at ``rate`` tokens a second per request."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__(None)
+        self.rate = rate
+
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        tokens, versions = [], []
+        for _ in range(int(sampling.get("max_tokens", MAX_TOKENS))):
+            await asyncio.sleep(1 / self.rate)
+            tokens.append(7)
+            versions.append(self.serving)
+        return {"token_ids": tokens, "logprobs": [-1.0] * len(tokens), "weights_versions": versions}
+
+
+def serve(actor: Actor, port: int) -> None:
+    """The actor's HTTP API on 127.0.0.1:``port``, in a daemon thread."""
+    ready = threading.Event()
+    ready.set()
+    app = application(actor, ready, AppliedSettings({}, {}))
+    started = threading.Event()
+
+    async def run() -> None:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        started.set()
+        await asyncio.Event().wait()
+
+    threading.Thread(target=asyncio.run, args=(run(),), daemon=True).start()
+    started.wait()
+
+
+@dataclass
+class Result:
+    loop: str
+    max_lag: int
+    sample_seconds: float
+    learn_seconds: float
+    step_seconds: float
+    step_over_max: float
+    step_over_sum: float
+    actor_idle_fraction: float
+    trainer_idle_fraction: float
+    stale_samples_dropped: int
+
+
+def prompt_at(position: int) -> Prompt:
+    return Prompt([1, 3 + position % 200], str(position), {})
+
+
+def no_reward(rollouts: list[Rollout], prompt: Prompt) -> tuple[list[Any], list[float], int]:
+    return [None] * len(rollouts), [0.0] * len(rollouts), 0
+
+
+def run(loop: str, max_lag: int, steps: int, sample: float, learn: float, actor: Actor, url: str) -> Result:
+    """``steps`` steps of ``loop`` (before: serial; after: the producer); the actor starts at version 0."""
+    actor.serving = 0
+    service = ActorService(FixedActors([url]))
+    sampling = {"max_tokens": MAX_TOKENS}
+    producer = None
+    if loop == "after":
+        schedule = Schedule(PROMPTS_PER_STEP, max_lag, 2 * PROMPTS_PER_STEP, 0, steps * PROMPTS_PER_STEP)
+        producer = RolloutProducer(service, schedule, prompt_at, SAMPLES_PER_PROMPT, sampling, no_reward)
+    started = time.monotonic()
+    if producer is not None:
+        producer.start()
+    boundaries, learning = [started], 0.0
+    for step in range(1, steps + 1):
+        if producer is not None:
+            producer.take(step)
+        else:
+            service.wait_for_version(step - 1 - max_lag)
+            positions = range((step - 1) * PROMPTS_PER_STEP, step * PROMPTS_PER_STEP)
+            service.sample([prompt_at(p).token_ids for p in positions], SAMPLES_PER_PROMPT, sampling)
+        time.sleep(learn)  # the learner stub
+        learning += learn
+        actor.serving = step  # published and served at once
+        boundaries.append(time.monotonic())
+        if step == 1:  # the steady state: from the end of the first step
+            busy_before, learning = asyncio.run(service.busy_seconds())[url], 0.0
+            boundaries[-1] = time.monotonic()
+    wall = boundaries[-1] - boundaries[1]
+    busy = asyncio.run(service.busy_seconds())[url] - busy_before
+    dropped = producer.counts.samples_dropped if producer is not None else 0
+    if producer is not None:
+        producer.close()
+    step_seconds = statistics.median(b - a for a, b in itertools.pairwise(boundaries[1:]))
+    return Result(
+        loop,
+        max_lag,
+        sample,
+        learn,
+        round(step_seconds, 3),
+        round(step_seconds / max(sample, learn), 3),
+        round(step_seconds / (sample + learn), 3),
+        round(max(0.0, 1 - busy / wall), 3),
+        round(1 - learning / wall, 3),
+        dropped,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m lockstep_e2e.bench_pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--sample-seconds", type=float, default=0.4, help="one request's generation time")
+    parser.add_argument("--learn-seconds", type=float, default=0.4)
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "pipeline.json")
+    options = parser.parse_args()
+    actor = SteadyActor(rate=MAX_TOKENS / options.sample_seconds)
+    port = free_port()
+    serve(actor, port)
+    url = f"http://127.0.0.1:{port}"
+    results = [
+        run(loop, lag, options.steps, options.sample_seconds, options.learn_seconds, actor, url)
+        for lag in options.lags
+        for loop in ("before", "after")
+    ]
+    print(
+        f"{'loop':6} {'maxLag':>6} {'step s':>7} {'/max':>6} {'/sum':>6} {'actor idle':>10} {'trainer idle':>12} "
+        f"{'stale':>5}"
+    )
+    for r in results:
+        print(
+            f"{r.loop:6} {r.max_lag:>6} {r.step_seconds:>7.3f} {r.step_over_max:>6.2f} {r.step_over_sum:>6.2f} "
+            f"{r.actor_idle_fraction:>10.0%} {r.trainer_idle_fraction:>12.0%} {r.stale_samples_dropped:>5}"
+        )
+    write_results(options.out, results)
+
+
+if __name__ == "__main__":
+    main()
