@@ -43,6 +43,15 @@ TEXT_TASK = {
 """spec.trainer fields of the text task (the pods run on this machine, so the dataset's paths are its own)."""
 
 
+def merged(fields: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with those of ``over``: a mapping is merged into the mapping it replaces, any other value replaces."""
+    both = dict(fields)
+    for name, value in over.items():
+        old = both.get(name)
+        both[name] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+    return both
+
+
 def tiny_rl_job(
     name: str,
     model: Path,
@@ -55,28 +64,29 @@ def tiny_rl_job(
     **spec: Any,
 ) -> dict[str, Any]:
     """An RLJob that teaches the tiny random Llama at ``model`` the target words task, on the CPU, or with
-    ``trainer`` (spec.trainer fields, e.g. TEXT_TASK) another; ``spec`` adds or replaces top-level spec fields (by
-    default weights go through files on ``shared``)."""
+    ``trainer`` (spec.trainer fields, e.g. TEXT_TASK) another: a field that is a mapping, such as rollout or
+    objective, is merged into the default's, any other replaces it; ``spec`` adds or replaces top-level spec fields
+    (by default weights go through files on ``shared``)."""
     spec.setdefault("weightSync", {"volume": {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}})
+    defaults = {
+        "steps": steps,
+        "maxLag": 1,
+        "checkpointEverySteps": 1,
+        "rollout": {"promptsPerStep": 8, "samplesPerPrompt": 8, "maxTokens": 8, "temperature": 1.0},
+        "objective": {
+            "algorithm": "grpo",
+            "learningRate": 0.003,
+            "minibatches": 2,
+            "rolloutCorrection": {"mode": "truncate", "upper": 2.0},
+        },
+    }
     return rljob(
         name,
         actors=actors,
         trainers=trainers,
         vllm={"dtype": "float32", "enforceEager": True, "maxModelLen": 256, "gpuMemoryUtilization": 0.2},
         model={"uri": str(model), "dtype": "float32"},
-        trainer={
-            "steps": steps,
-            "maxLag": 1,
-            "checkpointEverySteps": 1,
-            "rollout": {"promptsPerStep": 8, "samplesPerPrompt": 8, "maxTokens": 8, "temperature": 1.0},
-            "objective": {
-                "algorithm": "grpo",
-                "learningRate": 0.003,
-                "minibatches": 2,
-                "rolloutCorrection": {"mode": "truncate", "upper": 2.0},
-            },
-            **(trainer or {}),
-        },
+        trainer=merged(defaults, trainer or {}),
         actor_env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
         **spec,
     )
@@ -110,17 +120,19 @@ def run_tiny_rl_job(
     watch: Callable[[dict[str, Any], JobPods], None] | None = None,
     before_start: Callable[[dict[str, Any]], None] | None = None,
     text: bool = False,
+    trainer: dict[str, Any] | None = None,
     **spec: Any,
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec fields;
-    ``text``: the text task), run its pods until it finishes, and collect what it recorded. ``timeout`` is below
-    pytest's 900 s, so that a stalled run fails with the ending of every pod's log; ``before_start`` sees the job once
-    its pods exist, before their containers start; ``watch`` sees the job and its pods every second. With
-    ``preflight: {enabled: true}`` the preflight pod runs first; a job it stops has no other pods."""
+    ``text``: the text task; ``trainer``: spec.trainer fields over the task's, merged as tiny_rl_job merges them),
+    run its pods until it finishes, and collect what it recorded. ``timeout`` is below pytest's 900 s, so that a
+    stalled run fails with the ending of every pod's log; ``before_start`` sees the job once its pods exist, before
+    their containers start; ``watch`` sees the job and its pods every second. With ``preflight: {enabled: true}``
+    the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
     model = text_task.create_model(workdir / "model") if text else create_tiny_llama(workdir / "model")
     shared = workdir / "shared"
-    trainer = TEXT_TASK if text else None
+    trainer = merged(TEXT_TASK if text else {}, trainer or {})
     manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers, trainer=trainer, **spec)
     (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     job = create_job(kube, namespace, manifest)
