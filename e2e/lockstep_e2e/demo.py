@@ -34,10 +34,10 @@ from lockstep_workers.text_task import EVAL_ROWS
 
 NAMESPACE = "demo"
 JOB = "tiny"
-STEPS = 60
+STEPS = 81
 TUNED = {
     "rollout": {"promptsPerStep": 16, "samplesPerPrompt": 16, "maxTokens": 1, "temperature": 1.0},
-    "objective": {"learningRate": 5e-4},
+    "objective": {"learningRate": 7e-4},
 }
 """The demo's spec.trainer settings over the text task's (lockstep_e2e.rl.TEXT_TASK), so that it learns the task in
 STEPS steps. The answer is one token, and maxTokens 1 scores just it. A random model says the right digit about
@@ -116,7 +116,7 @@ def main() -> None:
                 workdir,
                 name=JOB,
                 steps=options.steps,
-                timeout=300.0 + 10.0 * options.steps,  # about 2 s a step here, and vLLM's start
+                timeout=900.0 + 10.0 * options.steps,  # 1-6 s a step here, and the preflight and vLLM start
                 progress=step,
                 preflight={"enabled": True},
                 text=True,
