@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -140,3 +142,19 @@ def pod(job: str, name: str, revision: int, **annotations: str) -> dict[str, Any
         },
         "status": {"phase": "Running"},
     }
+
+
+class HookedLock:
+    """A guard of one of the shell's parts, calling ``hook`` each time it is released: a point where another thread
+    could run."""
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self.lock = threading.Lock()
+        self.hook = hook
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.lock.release()
+        self.hook()

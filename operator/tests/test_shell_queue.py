@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from kubernetes import client
 
 from factories import job, policy
+from fake_clients import HookedLock
 from lockstep import keys
 from lockstep.controller import Shell
 from lockstep.events import PassScope
@@ -44,22 +44,6 @@ class Inline:
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
         return iter([fn(item) for item in items])
-
-
-class HookedLock:
-    """A guard of one of the shell's parts, calling ``hook`` each time it is released: a point where another thread
-    could run."""
-
-    def __init__(self, hook: Callable[[], None]) -> None:
-        self.lock = threading.Lock()
-        self.hook = hook
-
-    def __enter__(self) -> None:
-        self.lock.acquire()
-
-    def __exit__(self, *_: object) -> None:
-        self.lock.release()
-        self.hook()
 
 
 class World:

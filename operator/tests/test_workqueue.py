@@ -3,11 +3,11 @@ meanwhile) and at every release of its lock."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import pytest
 
+from fake_clients import HookedLock
 from lockstep.events import JobKey, PassScope
 from lockstep.workqueue import WorkQueue
 
@@ -75,21 +75,6 @@ def test_a_pass_that_raises_leaves_the_job_free_for_the_next_request() -> None:
     assert queue._running == set()
     queue.request(KEY)
     assert passes.runs[1:] == [(KEY, PassScope.FULL), (KEY, PassScope.BARRIER)], "what was asked for meanwhile too"
-
-
-class HookedLock:
-    """The queue's lock, calling ``hook`` after each release: a point where another thread could run."""
-
-    def __init__(self, hook: Callable[[], None]) -> None:
-        self.lock = threading.Lock()
-        self.hook = hook
-
-    def __enter__(self) -> None:
-        self.lock.acquire()
-
-    def __exit__(self, *_: object) -> None:
-        self.lock.release()
-        self.hook()
 
 
 def _releases_of_two_passes() -> int:
