@@ -482,13 +482,15 @@ def main() -> None:
     import tempfile
 
     workdir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="lockstep-cluster-"))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # while starting: stop what has started, and exit
     with LocalCluster(workdir) as local:
+        # Blocked before "cluster up" is said, so a stop signal sent as soon as it is read waits in sigwait: with
+        # signal.pause() one that arrived between Python's signal check and the pause was lost, and it hung.
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
         print(f"cluster up: export KUBECONFIG={local.kubeconfig}  (Ctrl-C stops it)", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            print("stopping the cluster", flush=True)
+        signal.sigwait(stop_signals)
+        print("stopping the cluster", flush=True)
 
 
 if __name__ == "__main__":

@@ -324,6 +324,25 @@ def test_a_live_mismatch_over_budget_holds_weight_updates_until_the_budget_is_ra
     assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"
 
 
+def test_a_live_mismatch_over_a_fail_budget_fails_the_job_and_stops_its_pods(
+    cluster: LocalCluster,
+    kube: client.ApiClient,
+    namespace: str,
+    tmp_path: Path,
+    budget_policy: Callable[[float, str], str],
+) -> None:
+    failing = budget_policy(1e-12, "Fail")
+    result = run_tiny_rl_job(cluster, kube, namespace, tmp_path, steps=6, actors=1, trainers=1, parityPolicy=failing)
+    status = result.job["status"]
+    ready = condition(result.job, "Ready")
+    assert status["phase"] == "Failed" and ready["reason"] == "MismatchBudgetExceeded", status
+    assert "budget 1e-12" in ready["message"] and "onExceeded: Fail" in ready["message"]
+    assert (status.get("weightsVersion") or 0) < 6, "the job ended at the first step over budget, not at the last"
+    assert "barrier" not in status, "no barrier is left open"
+    left = [p.metadata.name for p in job_pods(kube, namespace, "tiny") if p.metadata.deletion_timestamp is None]
+    assert left == [], "a failed job keeps no pods"
+
+
 def test_a_lost_trainer_rank_restarts_the_group_from_the_committed_weights(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
 ) -> None:

@@ -135,6 +135,7 @@ class PauseMode(StrEnum):
 class BudgetAction(StrEnum):
     WARN = "Warn"
     PAUSE = "Pause"
+    FAIL = "Fail"
 
 
 class BudgetMetric(StrEnum):
@@ -205,7 +206,9 @@ class MismatchBudget(Model):
         BudgetAction.WARN,
         description="Warn: condition ParityDegraded and a Warning event. Pause: also hold weight updates (the "
         "actors keep serving the last committed weights and the trainer waits, within spec.trainer.maxLag) "
-        "until the trainer's last measurement is within the budget again, e.g. after the budget is raised.",
+        "until the trainer's last measurement is within the budget again, e.g. after the budget is raised. Fail: "
+        "the job fails (phase Failed, reason MismatchBudgetExceeded, the breach named) and its pods stop; an open "
+        "weight update is interrupted, so the committed weights are the last within the budget.",
     )
 
 

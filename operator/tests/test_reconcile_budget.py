@@ -100,3 +100,31 @@ def test_the_budget_holds_each_limit_in_its_direction() -> None:
     )
     assert breaches(measured, budget) == ["meanAbsLogprobDiff 0.03 above 0.02", "k3_kl -0.2 below its min -0.1"]
     assert breaches(measured.model_copy(update={"mean_abs_logprob_diff": 0.01, "metrics": {"ess": 0.9}}), budget) == []
+
+
+def test_fail_ends_the_job_over_budget_naming_the_breach_and_closes_the_open_barrier() -> None:
+    """Issue 24 item 4's Fail action: a step over a limit fails the job (Ready False, MismatchBudgetExceeded, the
+    metric named), its pods stop, and the barrier open at that moment closes as interrupted, not committed."""
+    body, pods = settle(job())
+    announce(pods[2], 4)
+    opened = plan_for(body, pods)
+    assert opened.status.barrier is not None and opened.status.barrier.version == 4
+    metrics = {"rollout_is_eff_sample_size": 0.2}
+    measured = {"protocol": PROTOCOL, "step": 4, "meanAbsLogprobDiff": 0.001, "tokenFraction": 1.0, "metrics": metrics}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(measured)
+    limits = [{"metric": "rollout_is_eff_sample_size", "min": 0.3}]
+    failing = policy(trainer={"mismatchBudget": {"limits": limits, "onExceeded": "Fail"}})
+
+    failed = plan_for({**body, "status": status_of(opened)}, pods, policies=[failing])
+    assert failed.status.phase.value == "Failed"
+    assert condition(failed, "Ready") == ("False", "MismatchBudgetExceeded")
+    message = find(failed.status.conditions, "Ready").message  # type: ignore[union-attr]
+    assert "rollout_is_eff_sample_size 0.2 below its min 0.3" in message and "onExceeded: Fail" in message
+    assert failed.status.barrier is None and failed.status.barrier_history[-1].outcome.value == "Interrupted"
+    assert failed.status.weights_version != 4, "the interrupted version is not committed"
+    assert set(failed.delete_pods) == {p["metadata"]["name"] for p in pods}
+    assert any(e.reason == "WeightUpdateInterrupted" for e in failed.events)
+
+    within = {**measured, "metrics": {"rollout_is_eff_sample_size": 0.5}}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(within)
+    assert plan_for({**body, "status": status_of(opened)}, pods, policies=[failing]).status.phase.value == "Running"

@@ -66,7 +66,7 @@ def _steps(run: Pass) -> None:
         return
     placements = queue.admit(run, spec, wanted.all)
     if spec.suspend:
-        weights.interrupt(run, Reason.SUSPENDED, "the job is suspended (spec.suspend)")
+        completion.interrupt_barrier(run, Reason.SUSPENDED, "the job is suspended (spec.suspend)")
         run.stop_all_pods("the job is suspended")
         run.status.phase = Phase.SUSPENDED
         run.condition(READY, False, Reason.SUSPENDED, "spec.suspend is true: pods are deleted, the status is kept")
@@ -86,7 +86,7 @@ def _steps(run: Pass) -> None:
     if restarts.count_losses(run, spec, children) is Next.DONE:
         return
     live = pods.converge(run, config, children)
-    updates = budget.check(run, config, children.rank0)
+    updates = budget.check(run, spec, config, children.rank0)
     if weights.step(run, spec, live, weights.ranks_per_member(config), updates) is Next.DONE:
         return
     pods.readiness(run, spec, live)

@@ -1,6 +1,6 @@
 """Step: what the trainer measured. Its last evaluation goes to the status; its last parity measurement is held
 against the ParityPolicy's budget (ParityDegraded), over which a policy with onExceeded: Pause holds new weight
-updates."""
+updates and one with onExceeded: Fail ends the job."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from enum import Enum
 from typing import Any
 
 from lockstep import keys, protocol
-from lockstep.api import BudgetAction, MismatchBudget
+from lockstep.api import BudgetAction, MismatchBudget, Phase, RLJobSpec
 from lockstep.conditions import PARITY_DEGRADED
 from lockstep.parity import EffectiveConfig
 from lockstep.protocol import EvalResult, Mismatch
+from lockstep.reconcile import completion
 from lockstep.reconcile.context import Pass, annotation
 from lockstep.reconcile.reasons import Reason
 
@@ -21,6 +22,8 @@ class Updates(Enum):
 
     ALLOWED = "allowed"
     HELD = "held"
+    FAILED = "failed"
+    """The job failed over its budget (onExceeded: Fail): the pass ends."""
 
 
 def record_evaluation(run: Pass, rank0: dict[str, Any] | None) -> None:
@@ -30,7 +33,9 @@ def record_evaluation(run: Pass, rank0: dict[str, Any] | None) -> None:
         run.status.evaluation = evaluated
 
 
-def check(run: Pass, config: EffectiveConfig, rank0: dict[str, Any] | None) -> Updates:
+def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, Any] | None) -> Updates:
+    """Hold the trainer's last measurement against the budget: ParityDegraded, and whether a new weight update may
+    open (Pause holds them); over a budget with onExceeded: Fail the job ends here, FAILED."""
     measured = protocol.read_document(annotation(rank0, keys.MISMATCH) if rank0 else None, Mismatch)
     if isinstance(measured, Mismatch) and measured.token_fraction > 0:
         run.status.mismatch = measured
@@ -47,16 +52,19 @@ def check(run: Pass, config: EffectiveConfig, rank0: dict[str, Any] | None) -> U
     if not exceeded:
         run.condition(PARITY_DEGRADED, False, Reason.WITHIN_BUDGET, numbers)
         return Updates.ALLOWED
-    hold = budget.on_exceeded is BudgetAction.PAUSE
-    advice = (
-        "; weight updates are held (onExceeded: Pause) until a measurement is within the budget: fix the "
-        "configuration or raise trainer.mismatchBudget in the ParityPolicy"
-        if hold
-        else ""
-    )
+    advice = {
+        BudgetAction.WARN: "",
+        BudgetAction.PAUSE: "; weight updates are held (onExceeded: Pause) until a measurement is within the "
+        "budget: fix the configuration or raise trainer.mismatchBudget in the ParityPolicy",
+        BudgetAction.FAIL: "; the job fails (onExceeded: Fail): fix the configuration or the budget in the "
+        "ParityPolicy and apply the job again",
+    }[budget.on_exceeded]
     message = f"over budget at {numbers}: {', '.join(exceeded)}{advice}"
     run.condition(PARITY_DEGRADED, True, Reason.MISMATCH_BUDGET_EXCEEDED, message)
-    return Updates.HELD if hold else Updates.ALLOWED
+    if budget.on_exceeded is BudgetAction.FAIL:
+        completion.finish_job(run, spec, Phase.FAILED, Reason.MISMATCH_BUDGET_EXCEEDED, message)
+        return Updates.FAILED
+    return Updates.HELD if budget.on_exceeded is BudgetAction.PAUSE else Updates.ALLOWED
 
 
 def breaches(measured: Mismatch, budget: MismatchBudget) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from lockstep import kueue
+from lockstep import barrier, kueue
 from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import READY, find
 from lockstep.reconcile import summary
@@ -17,11 +17,35 @@ FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 
 
 def finish_job(run: Pass, spec: RLJobSpec, phase: Phase, reason: Reason, message: str) -> None:
+    """The job ends in ``phase`` (Ready says ``reason`` and ``message``); a barrier still open closes as
+    interrupted, so a failed job's committed weights are the last every actor took."""
+    interrupt_barrier(run, reason, message, resumes=False)
     run.status.phase = phase
     run.status.finished_time = run.now
     run.condition(READY, phase is Phase.SUCCEEDED, reason, message)
     summary.count(run, spec, {})
     tidy_finished(run, spec)
+
+
+def interrupt_barrier(run: Pass, reason: str, why: str, *, resumes: bool = True) -> None:
+    """The job's pods are stopped (``why``, for people): an open barrier closes now as Interrupted (``reason``),
+    in its history and an Event; its version is not committed, and, ``resumes``, a new barrier opens once the pods
+    run again."""
+    open_barrier = run.status.barrier
+    if open_barrier is None:
+        return
+    record = barrier.interrupt(open_barrier, run.observed.now, reason)
+    run.status.barrier = None
+    run.status.barrier_history = barrier.remember(run.status.barrier_history, record)
+    committed = run.status.weights_version
+    kept = f"the committed weights stay at version {committed}" if committed else "no weights were committed yet"
+    later = ", and a new barrier brings the pods on once they run again" if resumes else ""
+    run.event(
+        Reason.WEIGHT_UPDATE_INTERRUPTED,
+        f"barrier {open_barrier.id} for weights version {open_barrier.version} was interrupted in phase "
+        f"{open_barrier.phase.value} because {why} ({reason}); {kept}{later}",
+        warning=True,
+    )
 
 
 def tidy_finished(run: Pass, spec: RLJobSpec) -> None:

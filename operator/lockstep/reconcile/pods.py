@@ -11,7 +11,7 @@ from lockstep import desired, keys
 from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import PARITY_LOCKED, READY
 from lockstep.parity import EffectiveConfig
-from lockstep.reconcile import restarts, summary, weights
+from lockstep.reconcile import completion, restarts, summary, weights
 from lockstep.reconcile.children import Children, Desired
 from lockstep.reconcile.context import Pass
 from lockstep.reconcile.reasons import Reason
@@ -114,7 +114,7 @@ def release_for_quota(run: Pass, spec: RLJobSpec, quotas: list[str], refused: st
     it got (other jobs in the namespace may use the quota) and tries again on the operator's next resync."""
     names = ", ".join(quotas)
     why = f"ResourceQuota {names} refused some of the job's pods: a job runs all its pods or none"
-    weights.interrupt(run, Reason.QUOTA_EXCEEDED, why)
+    completion.interrupt_barrier(run, Reason.QUOTA_EXCEEDED, why)
     run.stop_all_pods(why)
     run.status.phase = Phase.PENDING
     run.condition(

@@ -8,7 +8,7 @@ from typing import Any
 from lockstep import desired, kueue
 from lockstep.api import Phase, QueueStatus, RLJobSpec
 from lockstep.conditions import QUEUED, READY
-from lockstep.reconcile import summary, weights
+from lockstep.reconcile import completion, summary
 from lockstep.reconcile.context import Pass
 from lockstep.reconcile.reasons import Reason
 
@@ -94,7 +94,7 @@ def _wait(run: Pass, spec: RLJobSpec, queued: QueueStatus, reason: str, message:
     run.condition(QUEUED, True, reason, text)
     if spec.suspend:
         return
-    weights.interrupt(run, reason, f"the job waits in LocalQueue {queued.local_queue} for Kueue")
+    completion.interrupt_barrier(run, reason, f"the job waits in LocalQueue {queued.local_queue} for Kueue")
     run.stop_all_pods("Kueue has not admitted the job (or evicted it)")
     run.status.phase = Phase.QUEUED
     run.condition(READY, False, Reason.QUEUED, text)

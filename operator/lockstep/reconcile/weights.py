@@ -32,7 +32,10 @@ def step(
     """Advance the barrier over ``live`` (the pods that stay); DONE when it failed the job. With a collective
     backend trainer rank 0 is a member too: it sends the weights, and each actor takes ``ranks`` ranks of the
     transfer group. While ``updates`` are held, or the actors cannot stage the announced version in their memory
-    (lockstep.reconcile.memory), an open barrier goes on and no new one opens for it."""
+    (lockstep.reconcile.memory), an open barrier goes on and no new one opens for it; ``updates`` FAILED (the
+    budget ended the job) is DONE."""
+    if updates is budget.Updates.FAILED:
+        return Next.DONE
     rank0_name = desired.rank0_name(run.job.name)
     collective = spec.weight_sync.backend.collective
     members = {
@@ -90,26 +93,6 @@ def keep_moving(run: Pass, spec: RLJobSpec, ranks: int) -> None:
         step(run, spec, run.pods, ranks, budget.Updates.HELD)
 
 
-def interrupt(run: Pass, reason: str, why: str) -> None:
-    """The job's pods are stopped (``why``, for people): an open barrier closes now as Interrupted (``reason``),
-    in its history and an Event; its version is not committed, and a new barrier opens once the pods run again."""
-    open_barrier = run.status.barrier
-    if open_barrier is None:
-        return
-    record = barrier.interrupt(open_barrier, run.observed.now, reason)
-    run.status.barrier = None
-    run.status.barrier_history = barrier.remember(run.status.barrier_history, record)
-    committed = run.status.weights_version
-    kept = f"the committed weights stay at version {committed}" if committed else "no weights were committed yet"
-    run.event(
-        Reason.WEIGHT_UPDATE_INTERRUPTED,
-        f"barrier {open_barrier.id} for weights version {open_barrier.version} was interrupted in phase "
-        f"{open_barrier.phase.value} because {why} ({reason}); {kept}, and a new barrier brings the pods on once "
-        "they run again",
-        warning=True,
-    )
-
-
 def with_committed_weights(run: Pass, pod: dict[str, Any]) -> dict[str, Any]:
     """A new pod starts from the committed weights (it joins a catch-up barrier if newer ones are in flight)."""
     if run.status.weights is not None:
@@ -122,7 +105,7 @@ def finish_training(run: Pass, spec: RLJobSpec, config: EffectiveConfig, childre
     weight updates), then succeed. An actor lost meanwhile is recreated so that the update has members."""
     rank0 = children.rank0
     assert rank0 is not None
-    updates = budget.check(run, config, rank0)
+    updates = budget.check(run, spec, config, rank0)
     if step(run, spec, children.pods, ranks_per_member(config), updates) is Next.DONE:
         return
     announced = _announcement(run, rank0, spec.weight_sync.backend.collective)  # reported once, by step
