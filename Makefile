@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test unit venv binaries lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo test unit venv binaries lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -73,9 +73,13 @@ bench-barrier: venv binaries
 bench-weights: venv
 	$(PY) -m lockstep_e2e.bench_weights
 
-# The rollout pipeline's scheduling with stub actors and a stub learner (docs/pipeline.md).
+# The rollout pipeline's scheduling with stub actors and a stub learner (docs/pipeline.md); -demo: the demo's RLJob
+# at maxLag 0, 1 and 2 on the local control plane (about 15 minutes here).
 bench-pipeline: venv
 	$(PY) -m lockstep_e2e.bench_pipeline
+
+bench-pipeline-demo: venv binaries
+	$(PY) -m lockstep_e2e.bench_pipeline --demo
 
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv

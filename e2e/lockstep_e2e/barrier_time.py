@@ -134,3 +134,32 @@ def _barrier_time(version: int, records: dict[str, dict[str, Any]], patches: lis
 
 def _seconds(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def update_latencies(
+    audit: list[dict[str, Any]], namespace: str, job: str, updates: dict[str, list[dict[str, Any]]]
+) -> list[float]:
+    """For each version every actor resumed on, the seconds from the trainer announcing it (its nth write on trainer
+    rank 0's pod announces version n: ``lockstep_workers.pod.announce``, once a step) to the last actor resuming:
+    what a serial loop waits for before it can sample with the new weights."""
+    announced = sorted(
+        _seconds(event["stageTimestamp"])
+        for event in audit
+        if event.get("stage") == "ResponseComplete"
+        and event.get("verb") == "patch"
+        and (ref := event.get("objectRef") or {}).get("namespace") == namespace
+        and ref.get("resource") == "pods"
+        and not ref.get("subresource")
+        and ref.get("name") == f"{job}-{keys.TRAINER}-0"
+        and event["user"]["username"] != keys.OPERATOR_USERNAME
+    )
+    resumed: dict[int, list[float]] = {}
+    for records in updates.values():
+        for record in records:
+            if record.get("resumedAt") is not None:
+                resumed.setdefault(record["version"], []).append(record["resumedAt"])
+    return [
+        max(times) - announced[version - 1]
+        for version, times in sorted(resumed.items())
+        if len(times) == len(updates) and 0 < version <= len(announced)
+    ]

@@ -2,6 +2,9 @@
 out/benchmarks/pipeline.json).
 
 ``python -m lockstep_e2e.bench_pipeline [--steps 12] [--sample-seconds 0.4] [--learn-seconds 0.4] [--lags 0 1 2]``
+``python -m lockstep_e2e.bench_pipeline --demo [--steps 20] [--lags 0 1 2]`` (out/benchmarks/pipeline-demo.json)
+
+With stubs (the default):
 
 - the actor: the real actor's HTTP API (lockstep_workers.actor.application: /generate, /ready, /metrics with its
   busy-seconds counter) over an ``Actor`` whose generation emits ``max_tokens`` tokens at a fixed rate, each
@@ -14,6 +17,13 @@ default, 2 x promptsPerStep). Reported, in the steady state (after the first ste
 against the max and the sum of the sample and learn times, the actors' idle fraction (from their own busy seconds)
 and the trainer's (not learning), and samples dropped as stale.
 
+With ``--demo``: the demo's own RLJob (lockstep_e2e.demo: a local control plane, the operator, two vLLM actors and
+two trainer ranks on this machine's CPUs, its tuned settings) for ``--steps`` steps at each maxLag, without the
+preflight; from its metrics.jsonl (lockstep_e2e.rl.step_time), the step's median wall time against the sum and
+the longer of its parts (the actors generating, learning, gathering the weights), the actors' idle fraction, the
+trainer's (not learning), and samples dropped as stale. The actors and the trainer share the same cores here, so
+overlapping them gains less than on separate machines: what it reports is what this machine gives.
+
 Not a test: nothing here asserts a time.
 """
 
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import shutil
 import statistics
 import threading
 import time
@@ -149,20 +160,110 @@ def run(loop: str, max_lag: int, steps: int, sample: float, learn: float, actor:
     )
 
 
+@dataclass
+class DemoResult:
+    max_lag: int
+    steps: int
+    step_seconds: float
+    parts_seconds: float
+    generating_seconds: float
+    learning_seconds: float
+    gathering_seconds: float
+    updating_seconds: float
+    step_over_max: float
+    step_over_sum: float
+    actor_idle_fraction: float
+    trainer_idle_fraction: float
+    stale_samples_dropped: int
+
+
+def run_demo(lags: list[int], steps: int, workdir: Path) -> list[DemoResult]:
+    """The demo's RLJob for ``steps`` steps at each of ``lags``, one after another on one local control plane."""
+    from kubernetes import client
+
+    from lockstep_e2e.demo import TUNED, demo_cluster, step
+    from lockstep_e2e.rl import merged, run_tiny_rl_job, step_time, update_seconds
+
+    results = []
+    with demo_cluster(workdir) as (cluster, api):
+        for lag in lags:
+            namespace = f"bench-lag-{lag}"
+            client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+            step(f"maxLag {lag}: the demo's RLJob for {steps} steps")
+            run = run_tiny_rl_job(
+                cluster,
+                api,
+                namespace,
+                workdir / namespace,
+                steps=steps,
+                timeout=900.0 + 10.0 * steps,
+                progress=step,
+                text=True,
+                trainer=merged(TUNED, {"maxLag": lag}),
+            )
+            if run.job["status"]["phase"] != "Succeeded":
+                raise SystemExit(f"the maxLag {lag} run did not succeed; pod logs in {workdir / namespace / 'pods'}")
+            timed = step_time(run.steps, update_seconds(cluster, namespace, run))
+            step(f"maxLag {lag}: {timed.said()}")
+            results.append(
+                DemoResult(
+                    lag,
+                    steps,
+                    round(timed.step, 3),
+                    round(timed.parts, 3),
+                    round(timed.generating, 3),
+                    round(timed.learning, 3),
+                    round(timed.gathering, 3),
+                    round(timed.updating, 3),
+                    round(timed.step / timed.longest, 3),
+                    round(timed.step / timed.parts, 3),
+                    round(1 - timed.actor_busy, 3),
+                    round(1 - timed.learning / timed.step, 3),
+                    timed.stale_samples_dropped,
+                )
+            )
+    return results
+
+
+def print_demo(results: list[DemoResult]) -> None:
+    print(
+        f"{'maxLag':>6} {'step s':>7} {'parts s':>8} {'/max':>6} {'/sum':>6} {'actor idle':>10} {'trainer idle':>12} "
+        f"{'stale':>5}"
+    )
+    for r in results:
+        print(
+            f"{r.max_lag:>6} {r.step_seconds:>7.2f} {r.parts_seconds:>8.2f} {r.step_over_max:>6.2f} "
+            f"{r.step_over_sum:>6.2f} {r.actor_idle_fraction:>10.0%} {r.trainer_idle_fraction:>12.0%} "
+            f"{r.stale_samples_dropped:>5}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lockstep_e2e.bench_pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--demo", action="store_true", help="the demo's RLJob instead of the stubs")
+    parser.add_argument("--steps", type=int, default=None, help="steps a run (stubs: 12; the demo: 20)")
     parser.add_argument("--sample-seconds", type=float, default=0.4, help="one request's generation time")
     parser.add_argument("--learn-seconds", type=float, default=0.4)
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "pipeline.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: out/benchmarks/pipeline[-demo].json")
     options = parser.parse_args()
+    benchmarks = REPO / "out" / "benchmarks"
+    if options.demo:
+        workdir = REPO / "out" / "bench-pipeline-demo"
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+        demo_results = run_demo(options.lags, options.steps or 20, workdir)
+        print_demo(demo_results)
+        write_results(options.out or benchmarks / "pipeline-demo.json", demo_results)
+        return
+    steps = options.steps or 12
     actor = SteadyActor(rate=MAX_TOKENS / options.sample_seconds)
     port = free_port()
     serve(actor, port)
     url = f"http://127.0.0.1:{port}"
     results = [
-        run(loop, lag, options.steps, options.sample_seconds, options.learn_seconds, actor, url)
+        run(loop, lag, steps, options.sample_seconds, options.learn_seconds, actor, url)
         for lag in options.lags
         for loop in ("before", "after")
     ]
@@ -175,7 +276,7 @@ def main() -> None:
             f"{r.loop:6} {r.max_lag:>6} {r.step_seconds:>7.3f} {r.step_over_max:>6.2f} {r.step_over_sum:>6.2f} "
             f"{r.actor_idle_fraction:>10.0%} {r.trainer_idle_fraction:>12.0%} {r.stale_samples_dropped:>5}"
         )
-    write_results(options.out, results)
+    write_results(options.out or benchmarks / "pipeline.json", results)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import yaml
 from kubernetes import client
 
 from lockstep import keys
+from lockstep_e2e.barrier_time import update_latencies
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO
 from lockstep_e2e.jobs import create_job, get_job, job_pods, phase, rljob
@@ -202,6 +204,66 @@ def _records(candidates: list[Path]) -> list[dict[str, Any]]:
         if path.exists():
             return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return []
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Where the trainer's steps went (medians over the steps after the first, from metrics.jsonl), against the
+    parts a serial loop runs one after another: the actors generating (their busy fraction of the step), learning,
+    gathering the weights to publish (the write itself runs in the background), and the weight update that carries
+    them to the actors (from the trainer's announcement to the last actor resumed)."""
+
+    step: float
+    generating: float
+    learning: float
+    gathering: float
+    updating: float
+    actor_busy: float
+    stale_samples_dropped: int
+
+    @property
+    def parts(self) -> float:
+        return self.generating + self.learning + self.gathering + self.updating
+
+    @property
+    def longest(self) -> float:
+        """The longer of the two sides a pipeline overlaps: generating, and learning with publishing."""
+        return max(self.generating, self.learning + self.gathering + self.updating)
+
+    def said(self) -> str:
+        return (
+            f"a step took {self.step:.2f}s (median), {self.step / self.parts:.2f}x the sum of its parts "
+            f"({self.parts:.2f}s, as a serial loop runs them: the actors generating {self.generating:.2f}s, learning "
+            f"{self.learning:.2f}s, gathering the weights {self.gathering:.2f}s, the weight update "
+            f"{self.updating:.2f}s) and {self.step / self.longest:.2f}x the longer of generating and learning with "
+            f"its update; the actors were busy {self.actor_busy:.0%} of the time"
+        )
+
+
+def step_time(records: list[dict[str, Any]], updating: float) -> StepTime:
+    """The steady state of a run's ``records`` (metrics.jsonl): every step after the first (vLLM warms up in it);
+    ``updating``: a weight update's median time (lockstep_e2e.barrier_time)."""
+    steady = records[1:] or records
+
+    def median(value: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(value(r) for r in steady)
+
+    return StepTime(
+        step=median(lambda r: r["seconds"]),
+        generating=median(lambda r: r.get("actor_busy_fraction", 0.0) * r["seconds"]),
+        learning=median(lambda r: r["learn_seconds"]),
+        gathering=median(lambda r: r.get("publish_gather_seconds", 0.0)),
+        updating=updating,
+        actor_busy=median(lambda r: r.get("actor_busy_fraction", 0.0)),
+        stale_samples_dropped=int(sum(r.get("stale_samples_dropped", 0.0) for r in records)),
+    )
+
+
+def update_seconds(cluster: LocalCluster, namespace: str, result: RunResult, name: str = "tiny") -> float:
+    """A weight update's median time in ``result``'s run, from the trainer's announcement to the last actor resumed
+    (the API server's audit log and the actors' update records); 0 without a completed one."""
+    latencies = update_latencies(cluster.audit_events(), namespace, name, result.updates)
+    return statistics.median(latencies) if latencies else 0.0
 
 
 EVAL = "eval_reward"

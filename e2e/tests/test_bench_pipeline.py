@@ -15,3 +15,25 @@ def test_the_benchmark_runs_both_loops_against_the_stub_actor() -> None:
         assert (result.loop, result.max_lag, result.stale_samples_dropped) == (loop, 1, 0)
         assert 0 <= result.actor_idle_fraction <= 1 and 0 <= result.trainer_idle_fraction <= 1, result
         assert actor.serving == 3, "every step published its version"
+
+
+def test_a_runs_step_time_is_the_median_of_its_steady_steps_and_names_its_parts() -> None:
+    from lockstep_e2e.rl import step_time
+
+    def record(seconds: float, busy: float, learn: float, dropped: float = 0.0) -> dict[str, float]:
+        return {
+            "seconds": seconds,
+            "actor_busy_fraction": busy,
+            "learn_seconds": learn,
+            "publish_gather_seconds": 0.1,
+            "stale_samples_dropped": dropped,
+        }
+
+    first = record(30.0, 0.1, 5.0, dropped=2)  # vLLM warming up: not the steady state
+    steady = [record(2.0, 0.5, 1.0), record(3.0, 0.5, 1.5, dropped=1), record(2.0, 1.0, 0.5)]
+    timed = step_time([first, *steady], updating=0.4)
+    assert (timed.step, timed.generating, timed.learning, timed.gathering) == (2.0, 1.5, 1.0, 0.1)
+    assert timed.parts == 3.0 and timed.longest == 1.5 and timed.stale_samples_dropped == 3, timed
+    said = timed.said()
+    assert "a step took 2.00s (median), 0.67x the sum of its parts (3.00s" in said, said
+    assert "the weight update 0.40s" in said and "1.33x the longer" in said, said
