@@ -83,3 +83,20 @@ def test_a_barrier_that_a_write_is_missing_for_or_that_an_actor_did_not_record_i
     assert barrier_times(audit, "demo", "tiny", {a: updates[a]}) == [], (
         "no Resume command, no closing status in the log"
     )
+
+
+def test_an_updates_latency_runs_from_the_trainers_nth_announcement_to_the_last_actor_resumed() -> None:
+    from lockstep_e2e.barrier_time import update_latencies
+
+    a, b = "tiny-actor-0", "tiny-actor-1"
+    audit = [
+        patch(1.0, 1.010, pod="tiny-trainer-0", operator=False),  # announces version 1
+        patch(1.1, 1.110, pod="tiny-trainer-0", operator=True),  # the operator's write: not an announcement
+        patch(1.2, 1.210, pod=a, operator=False),  # an actor's ack: not an announcement
+        patch(3.0, 3.005, pod="tiny-trainer-0", operator=False),  # version 2
+    ]
+    updates = {
+        a: [{"version": 1, "resumedAt": T0 + 1.5}, {"version": 2, "resumedAt": T0 + 3.2}],
+        b: [{"version": 1, "resumedAt": T0 + 1.8}],  # b never took version 2: not counted
+    }
+    assert update_latencies(audit, "demo", "tiny", updates) == pytest.approx([1.8 - 1.010], abs=TOLERANCE)
