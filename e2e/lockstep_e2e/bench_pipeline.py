@@ -20,8 +20,9 @@ and the trainer's (not learning), and samples dropped as stale.
 With ``--demo``: the demo's own RLJob (lockstep_e2e.demo: a local control plane, the operator, two vLLM actors and
 two trainer ranks on this machine's CPUs, its tuned settings) for ``--steps`` steps at each maxLag, without the
 preflight; from its metrics.jsonl (lockstep_e2e.rl.step_time), the step's median wall time against the sum and
-the longer of its parts (the actors generating, learning, gathering the weights), the actors' idle fraction, the
-trainer's (not learning), and samples dropped as stale. The actors and the trainer share the same cores here, so
+the longer of its parts (the actors generating, learning, gathering the weights, the weight update from the
+announcement to the last actor resumed), the actors' idle fraction, the trainer's (not learning), and samples
+dropped as stale. The actors and the trainer share the same cores here, so
 overlapping them gains less than on separate machines: what it reports is what this machine gives.
 
 Not a test: nothing here asserts a time.
