@@ -46,6 +46,7 @@ from aiohttp import web
 from lockstep_e2e.benchmarks import write_results
 from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
+from lockstep_e2e.rl import StepTime, merged, run_tiny_rl_job, step_time, update_seconds
 from lockstep_workers.actor import Actor, application
 from lockstep_workers.dataset import Prompt
 from lockstep_workers.learner import Rollout
@@ -165,17 +166,7 @@ def run(loop: str, max_lag: int, steps: int, sample: float, learn: float, actor:
 class DemoResult:
     max_lag: int
     steps: int
-    step_seconds: float
-    parts_seconds: float
-    generating_seconds: float
-    learning_seconds: float
-    gathering_seconds: float
-    updating_seconds: float
-    step_over_max: float
-    step_over_sum: float
-    actor_idle_fraction: float
-    trainer_idle_fraction: float
-    stale_samples_dropped: int
+    timed: StepTime
 
 
 def run_demo(lags: list[int], steps: int, workdir: Path) -> list[DemoResult]:
@@ -183,7 +174,6 @@ def run_demo(lags: list[int], steps: int, workdir: Path) -> list[DemoResult]:
     from kubernetes import client
 
     from lockstep_e2e.demo import TUNED, demo_cluster, step
-    from lockstep_e2e.rl import merged, run_tiny_rl_job, step_time, update_seconds
 
     results = []
     with demo_cluster(workdir) as (cluster, api):
@@ -206,23 +196,7 @@ def run_demo(lags: list[int], steps: int, workdir: Path) -> list[DemoResult]:
                 raise SystemExit(f"the maxLag {lag} run did not succeed; pod logs in {workdir / namespace / 'pods'}")
             timed = step_time(run.steps, update_seconds(cluster, namespace, run))
             step(f"maxLag {lag}: {timed.said()}")
-            results.append(
-                DemoResult(
-                    lag,
-                    steps,
-                    round(timed.step, 3),
-                    round(timed.parts, 3),
-                    round(timed.generating, 3),
-                    round(timed.learning, 3),
-                    round(timed.gathering, 3),
-                    round(timed.updating, 3),
-                    round(timed.step / timed.longest, 3),
-                    round(timed.step / timed.parts, 3),
-                    round(1 - timed.actor_busy, 3),
-                    round(1 - timed.learning / timed.step, 3),
-                    timed.stale_samples_dropped,
-                )
-            )
+            results.append(DemoResult(lag, steps, timed))
     return results
 
 
@@ -232,10 +206,10 @@ def print_demo(results: list[DemoResult]) -> None:
         f"{'stale':>5}"
     )
     for r in results:
+        t = r.timed
         print(
-            f"{r.max_lag:>6} {r.step_seconds:>7.2f} {r.parts_seconds:>8.2f} {r.step_over_max:>6.2f} "
-            f"{r.step_over_sum:>6.2f} {r.actor_idle_fraction:>10.0%} {r.trainer_idle_fraction:>12.0%} "
-            f"{r.stale_samples_dropped:>5}"
+            f"{r.max_lag:>6} {t.step:>7.2f} {t.parts:>8.2f} {t.step / t.longest:>6.2f} {t.step / t.parts:>6.2f} "
+            f"{1 - t.actor_busy:>10.0%} {1 - t.learning / t.step:>12.0%} {t.stale_samples_dropped:>5}"
         )
 
 
