@@ -613,6 +613,38 @@ class Evaluation(Model):
     )
 
 
+MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class LoraSettings(Model):
+    """A LoRA adapter trained on the frozen base model (docs/lora.md): the trainer trains and publishes only the
+    adapter (PEFT), and the actors serve each version as a vLLM LoRA adapter, loaded without pausing generation."""
+
+    rank: Annotated[int, Field(ge=1, le=256)] = Field(16, description="The adapter's rank r.")
+    alpha: Annotated[float, Field(gt=0)] = Field(
+        32, description="LoRA's alpha: the adapter's update is scaled by alpha / rank."
+    )
+    dropout: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0,
+        description="Dropout on the adapter's input while the trainer learns. Above 0 the trainer's logprobs of a "
+        "step's own tokens differ from the actors' by the dropout's noise: keep 0 for on-policy ratios.",
+    )
+    target_modules: list[Annotated[str, Field(pattern=MODULE_NAME_PATTERN, max_length=MAX_NAME_LENGTH)]] | None = (
+        Field(
+            None,
+            min_length=1,
+            description="Names of the base model's linear modules that get an adapter, e.g. [q_proj, v_proj]. "
+            "Default: every linear module of the decoder layers (attention and MLP projections), never the "
+            "lm_head. A name the model does not have stops the trainer, naming those it has.",
+        )
+    )
+    train_lm_head: bool = Field(
+        False,
+        description="Whether the lm_head gets an adapter too. Off: the head stays the base model's, computed in "
+        "the dtype the ParityPolicy locks (fp32).",
+    )
+
+
 class RewardErrorAction(StrEnum):
     ZERO = "Zero"
     FAIL = "Fail"
@@ -670,6 +702,12 @@ class Training(Model):
     checkpoints_kept: Annotated[int, Field(ge=1)] = Field(2, description="How many of the newest checkpoints are kept.")
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in the backward pass instead of keeping them."
+    )
+    lora: LoraSettings | None = Field(
+        None,
+        description="Train a LoRA adapter instead of every weight (docs/lora.md); each version is the adapter "
+        "alone, and the actors take it without pausing. Needs spec.weightSync.backend filesystem. Default: unset, "
+        "full fine-tuning.",
     )
 
 
