@@ -163,8 +163,15 @@ RETAIN_SECONDS = 900.0
 job had committed when its pod was created, and reads it only once its pod has started."""
 
 
-def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int = 3) -> Weights:
-    """Write ``tensors`` as weights version ``version``; return what to announce (its file, digest and size).
+def publish(
+    tensors: Mapping[str, torch.Tensor],
+    directory: Path,
+    version: int,
+    keep: int = 3,
+    metadata: Mapping[str, str] | None = None,
+) -> Weights:
+    """Write ``tensors`` as weights version ``version``, with the header's ``metadata`` (a LoRA adapter's config,
+    lockstep_workers.lora); return what to announce (its file, digest and size).
     The file is hashed as it is written, and on disk (file and directory flushed) under its final name before this
     returns: a crash leaves either the whole version or none under that name. Older versions go once they are
     neither among the ``keep`` newest nor younger than RETAIN_SECONDS."""
@@ -172,7 +179,7 @@ def publish(tensors: Mapping[str, torch.Tensor], directory: Path, version: int, 
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
     with partial.open("wb") as stream:
-        digest = write_safetensors(_untied(tensors), stream)
+        digest = write_safetensors(_untied(tensors), stream, metadata)
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(partial, final)
@@ -188,13 +195,18 @@ class Writable(Protocol):
     def write(self, data: bytes | memoryview, /) -> int: ...
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], stream: Writable) -> str:
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], stream: Writable, metadata: Mapping[str, str] | None = None
+) -> str:
     """Write ``tensors`` (contiguous, on the CPU, no two sharing storage) to ``stream`` in the safetensors format
     (an 8-byte little-endian header length, a JSON header of each tensor's dtype, shape and data offsets, then
-    the raw bytes), hashing the bytes as they go; return their digest. Larger elements come first, as
-    safetensors orders them, so every tensor is aligned to its element size."""
+    the raw bytes), hashing the bytes as they go; return their digest. ``metadata`` (strings to strings) is the
+    header's ``__metadata__``, which the digest covers as it covers the whole header. Larger elements come first,
+    as safetensors orders them, so every tensor is aligned to its element size."""
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError("safetensors metadata maps strings to strings")
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, object] = {}
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata is not None else {}
     offset = 0
     for name in order:
         tensor = tensors[name]

@@ -60,6 +60,32 @@ def test_a_publish_hashes_what_it_writes_and_the_file_loads_exactly(
         publish({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path, version=5)
 
 
+def test_a_publish_writes_its_metadata_into_the_header_that_the_digest_covers(tmp_path: Path) -> None:
+    """A LoRA version's header carries the adapter's config as ``__metadata__`` (lockstep_workers.lora): safetensors
+    reads it and the tensors back; another config is another digest; a non-string value is refused."""
+    from safetensors import safe_open
+
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 4, dtype=torch.bfloat16),
+    }
+    metadata = {"format": "pt", "adapter_config": '{"r": 4, "target_modules": ["q_proj"]}'}
+    announced = publish(tensors, tmp_path, version=1, metadata=metadata)
+    path = local_path(announced)
+    assert announced.digest == f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
+    with safe_open(str(path), framework="pt") as opened:
+        assert opened.metadata() == metadata
+        assert set(opened.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(opened.get_tensor(name), tensor), name
+    other = publish(tensors, tmp_path, version=2, metadata={**metadata, "adapter_config": '{"r": 8}'})
+    assert other.digest != announced.digest, "the digest covers the metadata"
+    with safe_open(str(local_path(publish(tensors, tmp_path, version=3))), framework="pt") as opened:
+        assert opened.metadata() is None, "no metadata unless given: full weights are written as before"
+    with pytest.raises(ValueError, match=r"safetensors metadata maps strings to strings"):
+        publish(tensors, tmp_path, version=4, metadata={"r": 4})  # type: ignore[dict-item]
+
+
 def test_a_version_is_on_disk_before_its_name_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The file is flushed and fsynced under its hidden name, renamed, then its directory fsynced, all before
     publish returns what to announce."""
