@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from lockstep.api import MismatchBudget
@@ -424,3 +425,61 @@ def test_a_trainer_of_two_ranks_resumes_its_checkpoint_with_one(
     version = int(resumed[0][0])
     steps = [r["step"] for r in result.steps]
     assert [s for s in steps if s > version] == list(range(version + 1, 9)), f"the one rank ran on: {steps}"
+
+
+LORA = {"lora": {"rank": 8, "alpha": 16}, "objective": {"learningRate": 0.02}, "checkpointEverySteps": 1}
+LORA_STEPS = 12
+
+
+def test_a_lora_job_updates_adapters_without_pausing_through_an_actor_kill_and_a_smaller_trainer(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """spec.trainer.lora: the trainer publishes only the adapter and the actors load each version beside the
+    ones serving, with no pause. One actor is SIGKILLed while a barrier loads an adapter (its replacement starts
+    from the committed adapter); once version 5 is committed the trainer is cut from 2 ranks to 1, which resumes
+    the adapter and its optimizer state from the checkpoint. The reward still rises within maxLag 1."""
+    events: dict[str, int] = {}
+
+    def kill_while_loading(pods: JobPods) -> None:
+        while "killed" not in events:
+            barrier = get_job(kube, namespace, "tiny").get("status", {}).get("barrier") or {}
+            if barrier.get("phase") == "Update" and barrier["version"] >= 2:
+                events["killed"] = barrier["version"]
+                pods.kill("tiny-actor-1")
+            time.sleep(0.005)
+
+    def watch(job: dict[str, Any], pods: JobPods) -> None:
+        if "started" not in events:
+            events["started"] = 1
+            threading.Thread(target=kill_while_loading, args=(pods,), daemon=True).start()
+        if (job["status"].get("weightsVersion") or 0) >= 5 and "edited" not in events:
+            events["edited"] = job["status"]["weightsVersion"]
+            patch_job(kube, namespace, "tiny", {"spec": {"trainer": {"replicas": 1}}})
+
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=LORA_STEPS, actors=2, trainers=2, watch=watch, trainer=LORA
+    )
+    status = result.job["status"]
+    assert "killed" in events and "edited" in events, events
+    assert status["phase"] == "Succeeded" and status["weightsVersion"] == LORA_STEPS, status.get("conditions")
+    assert status["restarts"] == 1, "the killed actor is the job's only failure"
+    for pod, updates in result.updates.items():
+        assert updates and updates[-1]["version"] == LORA_STEPS, f"{pod} ended on {updates[-1:]}"
+        assert all(u["pausedAt"] is None and u["pauseSeconds"] == 0.0 for u in updates), f"{pod} paused: {updates}"
+    directory = weights_directory(tmp_path / "shared" / result.job["metadata"]["uid"])
+    with safe_open(str(directory / f"v{LORA_STEPS:06d}.safetensors"), "pt") as published:
+        names, metadata = list(published.keys()), published.metadata()
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names), f"not only the adapter: {names[:4]}"
+    assert json.loads(metadata["adapter_config"])["r"] == 8
+    log = (tmp_path / "pods" / "tiny-trainer-0.log").read_text()
+    resumed = re.findall(r"resuming from weights version (\d+) \(committed: \w+\), optimizer state from the", log)
+    assert len(resumed) == 1 and int(resumed[0]) >= events["edited"], resumed
+    assert all(r["staleness"] <= 1 for r in result.steps), "spec.trainer.maxLag 1 bounds every token's version"
+    rewards = [r["reward"] for r in result.steps]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(
+        f"LoRA: reward {first:.3f} -> {last:.3f}; an actor killed at v{events['killed']}, "
+        f"the trainer cut to one rank at v{events['edited']}"
+    )
+    assert last > first + 0.1, f"the reward did not rise: {rewards}"
+    assert worst_onpolicy_mismatch(result) <= MismatchBudget().mean_abs_logprob_diff

@@ -43,8 +43,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 
 from lockstep import environment
 from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
-from lockstep.podconfig import ActorArgs, load_pod_config, parse_actor_args
+from lockstep.podconfig import ActorArgs, PodConfig, load_pod_config, parse_actor_args
 from lockstep.protocol import TransferGroup, Weights
+from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine
 from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
 from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
@@ -91,14 +92,21 @@ def applied_settings(settings: VllmSettings) -> AppliedSettings:
     return map_settings(settings, installed_vllm())
 
 
-def engine_args(model: str, applied: AppliedSettings, backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM) -> Any:
-    """vLLM's AsyncEngineArgs for the applied settings, with the weight-reload extension and, for a
-    collective backend, vLLM's weight-transfer engine."""
+def engine_args(
+    model: str,
+    applied: AppliedSettings,
+    backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM,
+    lora: LoraEngine | None = None,
+) -> Any:
+    """vLLM's AsyncEngineArgs for the applied settings, with the weight-reload extension, for a collective backend
+    vLLM's weight-transfer engine, and for a LoRA job vLLM's LoRA adapters."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kwargs = dict(applied.engine_args)
+    kwargs: dict[str, Any] = dict(applied.engine_args)
     if backend.collective:
         kwargs["weight_transfer_config"] = {"backend": VLLM_ENGINE[backend]}
+    if lora is not None:
+        kwargs.update(lora.engine_args())
     return AsyncEngineArgs(model=model, worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader", **kwargs)
 
 
@@ -110,10 +118,15 @@ class Actor:
     """One AsyncLLM and the weights version it serves.
 
     ``loaded`` is the version in the engine; ``serving`` the one new tokens are sampled under. They
-    differ only while paused: tokens that arrive then were sampled before the pause, under the old
-    weights, so ``serving`` moves to the loaded version on resume. ``updates`` records, per loaded
+    differ only while an update is in progress: tokens that arrive while paused were sampled before the pause,
+    under the old weights, so ``serving`` moves to the loaded version on resume. ``updates`` records, per loaded
     version, when the actor paused, loaded and resumed (wall-clock seconds), and how long its own pause, load and
     resume took (the rest of a barrier is coordination).
+
+    With ``lora`` (a LoRA job) each version is a vLLM adapter, loaded beside the others while the engine
+    generates: nothing pauses. A request is served under the adapter that was ``serving`` when it started, for its
+    whole life (each of its tokens carries that version); ``resume`` points new requests at the loaded version, and
+    an adapter more than maxLag versions behind goes once its requests have finished (lockstep_workers.adapters).
     """
 
     def __init__(
@@ -123,6 +136,7 @@ class Actor:
         pause_mode: PauseMode = PauseMode.KEEP,
         clear_cache: bool = False,
         backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM,
+        lora: LoraEngine | None = None,
     ) -> None:
         self.llm = llm
         self.pause_mode = pause_mode
@@ -130,6 +144,10 @@ class Actor:
         self.backend = backend
         self.loaded = BASE_VERSION
         self.serving = BASE_VERSION
+        self.updating = False
+        """Between an update's pause (a no-op for LoRA) and its resume."""
+        self.adapters = AdapterTable(lora.max_lag) if lora is not None else None
+        self.adapter_files = AdapterFiles() if lora is not None else None
         self.paused_at: float | None = None
         self.pause_seconds = 0.0
         self.updates: list[dict[str, float | int | None]] = []
@@ -151,19 +169,29 @@ class Actor:
         logprobs: list[float] = []
         versions: list[int] = []
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        adapter = self.adapters.start() if self.adapters is not None else None
         try:
-            async for output in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+            async for output in self.llm.generate(
+                prompt, params, request_id=uuid.uuid4().hex, lora_request=_lora_request(adapter, self.adapter_files)
+            ):
                 completion = output.outputs[0]
                 for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
                     tokens.append(token)
                     logprobs.append(candidates[token].logprob)
-                    versions.append(self.serving)
+                    versions.append(self.serving if adapter is None else adapter)
         except VLLMClientError as error:  # vLLM's own verdict: the request, not the engine, is at fault
             raise BadRequest(f"prompt_token_ids or sampling: {error}") from None
+        finally:
+            if adapter is not None and self.adapters is not None:
+                await self._remove_adapters(self.adapters.finish(adapter))
         TOKENS.inc(len(tokens))
         return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions}
 
     async def pause(self) -> None:
+        """Hold generation for the swap (pause_generation); for LoRA only mark the update begun: nothing pauses."""
+        self.updating = True
+        if self.adapters is not None:
+            return
         started = time.time()
         await self.llm.pause_generation(mode=self.pause_mode.value, clear_cache=self.clear_cache)
         self.paused_at = time.time()
@@ -177,6 +205,8 @@ class Actor:
         started = time.time()
         if isinstance(source, StagedTransfer):
             await receive(self.llm, source, self.backend)
+        elif self.adapters is not None and self.adapter_files is not None:
+            await self._add_adapter(weights.version, source.path)
         else:
             await self.llm.collective_rpc("lockstep_reload", args=(source.path,))
         self.loaded = weights.version
@@ -191,21 +221,64 @@ class Actor:
                 "loadSeconds": loaded_at - started,
             }
         )
-        if self.paused_at is None:  # initial weights, loaded before serving
-            self.serving = weights.version
+        if not self.updating:  # initial weights, loaded before serving
+            await self._serve(weights.version)
         UPDATES.inc()
         WEIGHTS_VERSION.set(weights.version)
 
     async def resume(self) -> None:
+        """Continue under the loaded version (resume_generation); for LoRA send new requests to its adapter."""
         started = time.time()
-        await self.llm.resume_generation()
-        self.serving = self.loaded
+        if self.adapters is None:
+            await self.llm.resume_generation()
+        await self._serve(self.loaded)
         if self.updates:
             resumed_at = time.time()
             self.updates[-1].update(resumedAt=resumed_at, resumeSeconds=resumed_at - started)
             logger.info("weight update done: %s", json.dumps(self.updates[-1]))
         self.paused_at = None
+        self.updating = False
         PAUSED.set(0)
+
+    async def _serve(self, version: int) -> None:
+        self.serving = version
+        if self.adapters is not None:
+            await self._remove_adapters(self.adapters.serve(version))
+
+    async def _add_adapter(self, version: int, verified: str) -> None:
+        """Load version ``version``'s adapter from the verified copy of its file, generation going on."""
+        assert self.adapters is not None and self.adapter_files is not None
+        path = self.adapter_files.write(version, verified)
+        if not await self.llm.add_lora(_lora_request(version, self.adapter_files)):
+            self.adapter_files.remove(version)
+            raise RuntimeError(f"vLLM did not load the adapter of weights version {version} from {path}")
+        self.adapters.add(version)
+
+    async def _remove_adapters(self, versions: list[int]) -> None:
+        """Unload adapters no request uses any more, and delete their files (only then: vLLM reads them again
+        when it evicts an adapter from its cache)."""
+        assert self.adapters is not None and self.adapter_files is not None
+        for version in versions:
+            await self.llm.remove_lora(version)
+            self.adapters.removed(version)
+            self.adapter_files.remove(version)
+            logger.info("unloaded the adapter of weights version %d: no request uses it", version)
+
+
+def _lora_request(version: int | None, files: AdapterFiles | None) -> Any:
+    """vLLM's LoRARequest of an adapter version, or None for the base model (version 0, or a full-weights job)."""
+    if not version or files is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"v{version}", version, str(files.path(version)))
+
+
+def lora_engine(config: PodConfig | None) -> LoraEngine | None:
+    """vLLM's LoRA settings of a LoRA job (spec.trainer.lora and maxLag, from its PodConfig), else None."""
+    if config is None or config.training.lora is None:
+        return None
+    return LoraEngine.of(config.training.lora, config.training.max_lag)
 
 
 def weights_origin(backend: WeightSyncBackend, environ: Mapping[str, str]) -> WeightsOrigin:
@@ -302,9 +375,15 @@ async def serve(options: ActorArgs, applied: AppliedSettings) -> None:
     backend = WeightSyncBackend(os.environ.get(environment.WEIGHT_SYNC, WeightSyncBackend.FILESYSTEM))
     in_pod = bool(os.environ.get(environment.POD_NAME))
     origin = weights_origin(backend, os.environ) if in_pod else None
-    llm = AsyncLLM.from_engine_args(engine_args(options.model, applied, backend))
-    actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache, backend=backend)
-    logger.info("vLLM is up with %s; weights arrive by %s", json.dumps(applied.report()), backend.value)
+    lora = lora_engine(config)
+    llm = AsyncLLM.from_engine_args(engine_args(options.model, applied, backend, lora))
+    actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache, backend=backend, lora=lora)
+    logger.info(
+        "vLLM is up with %s; weights arrive by %s%s",
+        json.dumps(applied.report()),
+        backend.value,
+        f", as LoRA adapters ({json.dumps(lora.engine_args())}), loaded without pausing" if lora else "",
+    )
     ready = threading.Event()
     stop = threading.Event()
     serving_at_least = BASE_VERSION

@@ -1,0 +1,128 @@
+"""A LoRA job's actor: each version is an adapter loaded while requests run, with no pause. A request keeps the
+adapter it started with, so every token carries one version and its logprob is PEFT's under that adapter; new
+requests take the newest adapter once resumed; an adapter beyond maxLag goes once its requests have finished."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lockstep.api import LoraSettings
+from lockstep_workers.adapters import AdapterTable, LoraEngine
+
+TEMPERATURE = 0.7
+PROMPT = [1, 10, 11, 12, 13]
+LONG = {"temperature": TEMPERATURE, "max_tokens": 64, "ignore_eos": True, "seed": 3}
+SHORT = {"temperature": TEMPERATURE, "max_tokens": 8, "ignore_eos": True, "seed": 5}
+
+
+def test_an_adapter_goes_once_beyond_max_lag_and_unused() -> None:
+    table = AdapterTable(max_lag=1)
+    for version in (1, 2):
+        table.add(version)
+    first = table.start()  # a base-model request
+    assert first == 0 and table.serve(1) == [] and table.start() == 1
+    assert table.serve(2) == [], "version 1 is within maxLag of 2"
+    table.add(3)
+    assert table.serve(3) == [], "version 1 is beyond maxLag but still has a request"
+    assert table.finish(1) == [1] and table.finish(first) == [1], "version 0 is the base model: nothing to unload"
+    table.removed(1)
+    assert table.loaded == {2, 3} and table.removable() == []
+    with pytest.raises(ValueError, match="adapter version 7 is not loaded"):
+        table.serve(7)
+
+
+def test_vllm_is_asked_for_max_lag_plus_two_adapters_of_an_allowed_rank() -> None:
+    engine = LoraEngine.of(LoraSettings(rank=12), max_lag=2)
+    assert engine.engine_args() == {"enable_lora": True, "max_loras": 4, "max_cpu_loras": 6, "max_lora_rank": 16}
+
+
+def publish_adapter(model_dir: Path, directory: Path, version: int, seed: int) -> tuple[Any, Any]:
+    """A PEFT adapter of the tiny model with random weights (lora_B too, so it changes the outputs), published as
+    weights version ``version`` as the trainer publishes one; returns the PEFT model and the announcement."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers.lora import adapter_metadata
+    from lockstep_workers.weights import publish
+
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), config).eval()
+    tensors = get_peft_model_state_dict(model)
+    return model, publish(tensors, directory, version=version, metadata=adapter_metadata(config))
+
+
+def peft_logprobs(model: Any, tokens: list[int]) -> Any:
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+    return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.vllm
+def test_adapters_update_while_requests_run_with_no_pause_and_exact_logprobs(tmp_path: Path) -> None:
+    import torch
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lockstep_workers.actor import PAUSED, Actor, applied_settings, engine_args
+    from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
+    from lockstep_workers.weights import WeightsDirectory
+
+    model_dir = create_tiny_llama(tmp_path / "model")
+    published = {v: publish_adapter(model_dir, tmp_path / "weights", v, seed=v) for v in (1, 2, 3)}
+    origin = WeightsDirectory(tmp_path / "weights")
+    lora = LoraEngine(rank=8, max_lag=1)
+
+    async def scenario() -> tuple[dict[int, list[dict[str, Any]]], Actor, set[int]]:
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(cpu_vllm_settings()), lora=lora))
+        actor = Actor(llm, lora=lora)
+        try:
+            started: dict[int, list[asyncio.Task[dict[str, Any]]]] = {}
+            for version in (1, 2, 3):
+                started[version - 1] = [asyncio.create_task(actor.generate(PROMPT, LONG)) for _ in range(2)]
+                await asyncio.sleep(0.3)  # the requests are running when the next adapter is loaded
+                await actor.pause()
+                with origin.read(published[version][1]) as verified:
+                    await actor.load(published[version][1], verified)
+                assert actor.serving == version - 1, "new requests take the new adapter only once resumed"
+                assert PAUSED._value.get() == 0, "a LoRA update never pauses generation"
+                await actor.resume()
+            started[3] = [asyncio.create_task(actor.generate(PROMPT, SHORT))]
+            results = {v: list(await asyncio.gather(*tasks)) for v, tasks in started.items()}
+            return results, actor, await llm.list_loras()
+        finally:
+            llm.shutdown()
+
+    results, actor, still_loaded = asyncio.run(scenario())
+    assert [u["version"] for u in actor.updates] == [1, 2, 3]
+    assert all(u["pausedAt"] is None and u["pauseSeconds"] == 0.0 for u in actor.updates), actor.updates
+    assert set(still_loaded) == {2, 3}, "version 1 is beyond maxLag 1 of version 3 and its requests have finished"
+    assert actor.adapter_files is not None and sorted(p.name for p in actor.adapter_files.root.iterdir()) == [
+        "v000002",
+        "v000003",
+    ], "an unloaded adapter's files go with it"
+    for version, outputs in results.items():
+        for output in outputs:
+            assert set(output["weights_versions"]) == {version}, "a request keeps the adapter it started with"
+            difference = (torch.tensor(output["logprobs"]) - expected_logprobs(published, version, output)).abs()
+            print(
+                f"version {version}: {len(output['token_ids'])} tokens, max |Δlogprob| against PEFT "
+                f"{difference.max().item():.2e}"
+            )
+            assert difference.max().item() < 1e-3
+    base = expected_logprobs(published, 0, results[3][0])
+    assert (torch.tensor(results[3][0]["logprobs"]) - base).abs().max().item() > 0.01, "the adapters change tokens"
+
+
+def expected_logprobs(published: dict[int, tuple[Any, Any]], version: int, output: dict[str, Any]) -> Any:
+    """PEFT's logprobs of ``output``'s tokens under adapter ``version`` (0: the base model, adapters disabled)."""
+    if version:
+        return peft_logprobs(published[version][0], output["token_ids"])
+    with published[1][0].disable_adapter():
+        return peft_logprobs(published[1][0], output["token_ids"])
