@@ -629,6 +629,9 @@ class Evaluation(Model):
 
 
 MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MAX_TARGET_MODULES = 64
+"""The most names spec.trainer.lora.targetModules may hold (a model has a handful of linear module names): bounded,
+like the other lists the CRD's CEL rules read (the rule that keeps spec.trainer.lora immutable compares it)."""
 
 
 class LoraSettings(Model):
@@ -647,6 +650,7 @@ class LoraSettings(Model):
     target_modules: list[Annotated[str, Field(pattern=MODULE_NAME_PATTERN, max_length=MAX_NAME_LENGTH)]] | None = Field(
         None,
         min_length=1,
+        max_length=MAX_TARGET_MODULES,
         description="Names of the base model's linear modules that get an adapter, e.g. [q_proj, v_proj]. "
         "Default: every linear module of the decoder layers (attention and MLP projections), never the "
         "lm_head. A name the model does not have stops the trainer, naming those it has.",

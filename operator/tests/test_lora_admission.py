@@ -119,3 +119,11 @@ def test_an_allowing_policy_refuses_neither() -> None:
 
 def test_the_parity_admission_policy_carries_the_lora_checks() -> None:
     assert admission.policy()["spec"]["validations"][-2:] == admission.lora_validations()
+
+
+def test_target_modules_are_bounded() -> None:
+    names = [f"proj_{i}" for i in range(api.MAX_TARGET_MODULES + 1)]
+    assert schema_errors(lora_spec(targetModules=names[:-1])) == []
+    assert schema_errors(lora_spec(targetModules=names)) == [
+        f"spec.trainer.lora.targetModules: Too many: {len(names)}: must have at most {api.MAX_TARGET_MODULES} items"
+    ]
