@@ -77,7 +77,7 @@ def parity_admission(kube: client.ApiClient) -> None:
 
 @pytest.fixture
 def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyFactory]:
-    """``policies(enforcement, default=, match_labels=, vllm=, name=)`` creates a ParityPolicy (uniquely named
+    """``policies(enforcement, default=, match_labels=, vllm=, name=, lora=)`` creates a ParityPolicy (uniquely named
     unless ``name`` is given) and returns its name; the test's policies are deleted afterwards.
 
     Only one policy may be the default: ``default=True`` first unsets it on the others (the session's default
@@ -94,6 +94,7 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
         match_labels: dict[str, str] | None = None,
         vllm: dict[str, Any] | None = None,
         name: str | None = None,
+        lora: str | None = None,
     ) -> str:
         name = name or f"e2e-{enforcement.lower()}-{uuid.uuid4().hex[:8]}"
         if default:
@@ -108,6 +109,8 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
         }
         if match_labels is not None:
             spec["namespaceSelector"] = {"matchLabels": match_labels}
+        if lora is not None:
+            spec["lora"] = lora
         body = {"apiVersion": api.API_VERSION, "kind": "ParityPolicy", "metadata": {"name": name}, "spec": spec}
         custom.create_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", body)
         created.append(name)
@@ -353,3 +356,118 @@ def test_every_vllm_setting_is_enforced(kube: client.ApiClient, namespace: str, 
     for key, (locked, other, shown) in fields.items():
         assert refusal(kube, namespace, rljob({key: other}, policy)) == expected(policy, key, shown)
         assert refusal(kube, namespace, rljob({key: locked}, policy)) is None
+
+
+# -- spec.trainer.lora: the CRD's rules, and the policy's spec.lora ----------------------------------------------
+
+ADAPTER: dict[str, Any] = {"rank": 8, "targetModules": ["q_proj", "v_proj"]}
+
+
+def lora_rljob(lora: dict[str, Any] | None, policy: str | None = None, backend: str = "filesystem") -> dict[str, Any]:
+    """``rljob`` with the locked settings, and ``spec.trainer.lora`` when ``lora`` is given."""
+    job = rljob(LOCKED, policy)
+    if lora is not None:
+        job["spec"]["trainer"]["lora"] = lora
+    if backend != "filesystem":
+        job["spec"]["weightSync"] = {"backend": backend}
+    return job
+
+
+def invalid(call: Callable[[], object]) -> str:
+    """The API server's message for a request the CRD's schema or CEL rules refuse (422 Invalid)."""
+    with pytest.raises(ApiException) as refused:
+        call()
+    status = json.loads(refused.value.body)
+    assert (refused.value.status, status.get("reason")) == (422, "Invalid"), refused.value.body
+    return str(status["message"])
+
+
+LORA_BACKEND = (
+    "spec.trainer.lora needs spec.weightSync.backend filesystem: each version of a LoRA job is an adapter file the "
+    "actors read from spec.weightSync.volume, and the nccl and gloo transfers send every weight of the model; use "
+    "backend filesystem with a volume, or remove spec.trainer.lora"
+)
+LORA_IMMUTABLE = (
+    "spec.trainer.lora is immutable while the RLJob exists, and so is whether it is set: the actors were started "
+    "for it and the trainer's checkpoints and committed weights are of that adapter (or of every weight); delete the "
+    "RLJob and create it again with the spec.trainer.lora you want"
+)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_lora_job_over_a_collective_backend_is_refused(
+    kube: client.ApiClient, namespace: str, parity_admission: None, backend: str
+) -> None:
+    custom, args = client.CustomObjectsApi(kube), (api.GROUP, api.VERSION, namespace, "rljobs")
+    message = invalid(lambda: custom.create_namespaced_custom_object(*args, lora_rljob(ADAPTER, backend=backend)))
+    assert f"spec.trainer.lora: Invalid value: {LORA_BACKEND}" in message
+    # The same job without the adapter is admitted over that backend.
+    created = custom.create_namespaced_custom_object(*args, lora_rljob(None, backend=backend))
+    custom.delete_namespaced_custom_object(*args, created["metadata"]["name"])
+
+
+@pytest.mark.parametrize(
+    ("before", "patch"),
+    [
+        (None, {"spec": {"trainer": {"lora": ADAPTER}}}),  # added
+        (ADAPTER, {"spec": {"trainer": {"lora": None}}}),  # removed (a merge patch's null)
+        (ADAPTER, {"spec": {"trainer": {"lora": {"rank": 16}}}}),  # changed
+        (ADAPTER, {"spec": {"trainer": {"lora": {"targetModules": ["q_proj"]}}}}),  # changed
+    ],
+    ids=["added", "removed", "rank changed", "targetModules changed"],
+)
+def test_spec_trainer_lora_cannot_be_added_removed_or_changed(
+    kube: client.ApiClient, namespace: str, parity_admission: None, before: Any, patch: dict[str, Any]
+) -> None:
+    custom, args = client.CustomObjectsApi(kube), (api.GROUP, api.VERSION, namespace, "rljobs")
+    name = custom.create_namespaced_custom_object(*args, lora_rljob(before))["metadata"]["name"]
+    message = invalid(lambda: custom.patch_namespaced_custom_object(*args, name, patch))
+    assert f"spec.trainer.lora: Invalid value: {LORA_IMMUTABLE}" in message
+    assert custom.get_namespaced_custom_object(*args, name)["spec"]["trainer"].get("lora") == (
+        None if before is None else {**before, "alpha": 32, "dropout": 0, "trainLmHead": False}
+    )
+    # Other fields of spec.trainer still change.
+    custom.patch_namespaced_custom_object(*args, name, {"spec": {"trainer": {"steps": 7}}})
+    custom.delete_namespaced_custom_object(*args, name)
+
+
+def lora_refusal(requirement: str, policy: str) -> str:
+    """An Enforce policy's refusal of a job that breaks its spec.lora, word for word."""
+    if requirement == "Forbidden":
+        return denied(
+            f"spec.trainer.lora: ParityPolicy '{policy}' (Enforce) forbids LoRA adapters (its spec.lora is "
+            "Forbidden); remove spec.trainer.lora to train every weight, or name a ParityPolicy whose spec.lora is "
+            "Allowed"
+        )
+    return denied(
+        f"spec.trainer.lora: ParityPolicy '{policy}' (Enforce) requires a LoRA adapter (its spec.lora is Required); "
+        "set spec.trainer.lora (e.g. {rank: 16}, with spec.weightSync.backend filesystem), or name a ParityPolicy "
+        "whose spec.lora is Allowed"
+    )
+
+
+def test_a_policy_that_forbids_lora_refuses_a_lora_job_and_admits_full_fine_tuning(
+    kube: client.ApiClient, namespace: str, policies: PolicyFactory
+) -> None:
+    policy = policies(lora="Forbidden")
+    assert refused_eventually(kube, namespace, lora_rljob(ADAPTER, policy)) == lora_refusal("Forbidden", policy)
+    assert refusal(kube, namespace, lora_rljob({}, policy)) == lora_refusal("Forbidden", policy)
+    assert refusal(kube, namespace, lora_rljob(None, policy)) is None
+
+
+def test_a_policy_that_requires_lora_refuses_full_fine_tuning_and_admits_a_lora_job(
+    kube: client.ApiClient, namespace: str, policies: PolicyFactory
+) -> None:
+    policy = policies(lora="Required")
+    assert refused_eventually(kube, namespace, lora_rljob(None, policy)) == lora_refusal("Required", policy)
+    assert refusal(kube, namespace, lora_rljob(ADAPTER, policy)) is None
+
+
+@pytest.mark.parametrize("enforcement", ["Warn", "Audit"])
+def test_warn_and_audit_policies_admit_a_job_that_breaks_their_lora_requirement(
+    kube: client.ApiClient, namespace: str, policies: PolicyFactory, enforcement: str
+) -> None:
+    forbids, requires = policies(enforcement, lora="Forbidden"), policies(enforcement, lora="Required")
+    sentinel(kube, namespace, policies)
+    assert refusal(kube, namespace, lora_rljob(ADAPTER, forbids)) is None
+    assert refusal(kube, namespace, lora_rljob(None, requires)) is None

@@ -29,6 +29,7 @@ BAD_SPECS = {
     "locked key": {"actors": {"image": "a", "vllm": {"logprobsMode": "raw_logprobs", "asyncScheduling": True}}},
     "no weights volume": {"weightSync": {"backend": "filesystem"}},
     "rolling over gloo": {"weightSync": {"backend": "gloo", "mode": "Rolling"}},
+    "lora over gloo": {"weightSync": {"backend": "gloo"}, "trainer": {"image": "t", "reward": "m:f", "lora": {}}},
     "reward not importable": {"trainer": {"image": "t", "reward": "rewards.py"}},
     "too few prompts": {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
     "no actors": {"actors": {"image": "a", "replicas": 0}},
@@ -57,6 +58,7 @@ BAD_SPECS = {
 }
 BAD_NAMES = {"dotted name": "my.job"}
 GOOD_SPECS = {
+    "a lora job": {"trainer": {"image": "t", "reward": "m:f", "lora": {"rank": 8, "targetModules": ["q_proj"]}}},
     "a whole number written as a float": {"trainer": {"image": "t", "reward": "m:f", "rollout": {"maxTokens": 16.0}}},
     "a dataset file name over 255 characters": {
         "trainer": {"image": "t", "reward": "m:f", "dataset": {"train": f"/tmp/{'x' * 300}.jsonl"}}

@@ -15,6 +15,9 @@ Then every key the policy locks in ``spec.vllm`` that the job also sets in ``spe
 ``Invalid`` and a message naming the key and the locked value. One validation per field of
 ``api.VllmSettings``, generated from the model, so a new field is enforced without editing this file.
 
+A policy whose ``spec.lora`` is ``Forbidden`` refuses a job that sets ``spec.trainer.lora``, and one whose
+``spec.lora`` is ``Required`` a job that does not (``lora_validations``, in ``parity.lora_refusal``'s words).
+
 Whatever its enforcement, a policy a job names in ``spec.parityPolicy`` must select the job's namespace, or the
 request is refused (reason ``Forbidden``): an administrator scopes which namespaces may use a policy with its
 ``spec.namespaceSelector``, so that no job escapes an Enforce default by naming a laxer policy.
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep import api, keys
+from lockstep.parity import lora_refusal
 from lockstep.schema import structural_schema
 
 NAME = "lockstep-parity-enforce"
@@ -110,6 +114,36 @@ def validation(key: Key) -> dict[str, str]:
     }
 
 
+_NAME_MARK = "\x00"
+"""Where the policy's name goes in a message, rendered in CEL as params.metadata.name."""
+
+
+def _cel_literal(text: str) -> str:
+    """``text`` as a double-quoted CEL string (the messages here hold neither double quotes nor backslashes)."""
+    assert '"' not in text and "\\" not in text, text
+    return f'"{text}"'
+
+
+def lora_validations() -> list[dict[str, str]]:
+    """The checks of ``spec.trainer.lora`` against the applying policy's ``spec.lora``: a Forbidden policy refuses a
+    job that sets it, a Required one a job that does not (``parity.lora_conflict`` agrees)."""
+    checks = []
+    for requirement, complies in (
+        (api.LoraRequirement.FORBIDDEN, "!has(object.spec.trainer.lora)"),
+        (api.LoraRequirement.REQUIRED, "has(object.spec.trainer.lora)"),
+    ):
+        before, after = lora_refusal(requirement, _NAME_MARK).split(_NAME_MARK)
+        checks.append(
+            {
+                "expression": f"!variables.enforced || params.spec.lora != '{requirement.value}' || {complies}",
+                "messageExpression": f"{_cel_literal(before)} + params.metadata.name + {_cel_literal(after)}",
+                "message": lora_refusal(requirement, "").replace("ParityPolicy '' ", "the ParityPolicy "),
+                "reason": "Invalid",
+            }
+        )
+    return checks
+
+
 def _with_policies(name: str, resource: str, spec: dict[str, Any]) -> dict[str, Any]:
     """A ValidatingAdmissionPolicy on CREATE and UPDATE of lockstep.dev ``resource``, with every ParityPolicy as
     its parameter (see ``binding``); ``spec`` adds its matchConditions, variables and validations."""
@@ -146,7 +180,7 @@ def policy() -> dict[str, Any]:
                 {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}
             ],
             "variables": [{"name": name, "expression": expression} for name, expression in _VARIABLES],
-            "validations": [applicable()] + [validation(key) for key in vllm_keys()],
+            "validations": [applicable()] + [validation(key) for key in vllm_keys()] + lora_validations(),
         },
     )
 

@@ -233,6 +233,14 @@ class WeightUpdateSemantics(Model):
     clear_cache: bool = Field(False, description="Whether the KV (prefix) cache is dropped on a weight update.")
 
 
+class LoraRequirement(StrEnum):
+    """Whether the jobs a ParityPolicy governs may, must or must not train a LoRA adapter (spec.trainer.lora)."""
+
+    ALLOWED = "Allowed"
+    REQUIRED = "Required"
+    FORBIDDEN = "Forbidden"
+
+
 class NamespaceSelector(Model):
     match_labels: dict[str, str] = Field(default_factory=dict, description="Empty selects every namespace.")
 
@@ -268,6 +276,13 @@ class ParityPolicySpec(Model):
     weight_update: WeightUpdateSemantics = Field(
         default_factory=WeightUpdateSemantics,
         description="How an actor takes new weights mid-generation (vLLM's pause_generation arguments).",
+    )
+    lora: LoraRequirement = Field(
+        LoraRequirement.ALLOWED,
+        description="Whether the jobs may train a LoRA adapter (spec.trainer.lora) instead of every weight. Allowed: "
+        "either. Required: only LoRA jobs. Forbidden: only full fine-tuning. Under Enforce the API server and the "
+        "operator refuse a job that breaks it; under Warn and Audit it runs as written, and its ParityLocked "
+        "condition and a Warning event say that it breaks the policy (a job's adapter is never added or dropped).",
     )
 
 
@@ -614,6 +629,9 @@ class Evaluation(Model):
 
 
 MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MAX_TARGET_MODULES = 64
+"""The most names spec.trainer.lora.targetModules may hold (a model has a handful of linear module names): bounded,
+like the other lists the CRD's CEL rules read (the rule that keeps spec.trainer.lora immutable compares it)."""
 
 
 class LoraSettings(Model):
@@ -629,14 +647,13 @@ class LoraSettings(Model):
         description="Dropout on the adapter's input while the trainer learns. Above 0 the trainer's logprobs of a "
         "step's own tokens differ from the actors' by the dropout's noise: keep 0 for on-policy ratios.",
     )
-    target_modules: list[Annotated[str, Field(pattern=MODULE_NAME_PATTERN, max_length=MAX_NAME_LENGTH)]] | None = (
-        Field(
-            None,
-            min_length=1,
-            description="Names of the base model's linear modules that get an adapter, e.g. [q_proj, v_proj]. "
-            "Default: every linear module of the decoder layers (attention and MLP projections), never the "
-            "lm_head. A name the model does not have stops the trainer, naming those it has.",
-        )
+    target_modules: list[Annotated[str, Field(pattern=MODULE_NAME_PATTERN, max_length=MAX_NAME_LENGTH)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TARGET_MODULES,
+        description="Names of the base model's linear modules that get an adapter, e.g. [q_proj, v_proj]. "
+        "Default: every linear module of the decoder layers (attention and MLP projections), never the "
+        "lm_head. A name the model does not have stops the trainer, naming those it has.",
     )
     train_lm_head: bool = Field(
         False,
@@ -725,9 +742,19 @@ TRAINER_SHARDS_RULE = cel(
     field_path=".rollout.promptsPerStep",
 )
 
+LORA_IMMUTABLE_RULE = cel(
+    "has(self.lora) == has(oldSelf.lora) && (!has(self.lora) || self.lora == oldSelf.lora)",
+    "spec.trainer.lora is immutable while the RLJob exists, and so is whether it is set: the actors were started "
+    "for it and the trainer's checkpoints and committed weights are of that adapter (or of every weight); delete "
+    "the RLJob and create it again with the spec.trainer.lora you want",
+    field_path=".lora",
+)
+"""A transition rule on spec.trainer, not on spec.trainer.lora: a rule on the field itself runs only when both the
+old and the new object have it, so adding or removing the adapter would pass."""
+
 
 class TrainerSpec(PodOverrides, Training):
-    model_config = ConfigDict(json_schema_extra=validations(TRAINER_SHARDS_RULE, EVAL_SPLIT_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(TRAINER_SHARDS_RULE, EVAL_SPLIT_RULE, LORA_IMMUTABLE_RULE))
 
     replicas: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="torch.distributed world size.")
     image: Annotated[str, Field(min_length=1)] = Field(
@@ -846,6 +873,14 @@ RLJOB_NAME_LABEL_RULE = cel(
 )
 RLJOB_NAME_RULES = (RLJOB_NAME_RULE, RLJOB_NAME_LABEL_RULE)
 
+LORA_BACKEND_RULE = cel(
+    "!has(self.trainer.lora) || self.weightSync.backend == 'filesystem'",
+    "spec.trainer.lora needs spec.weightSync.backend filesystem: each version of a LoRA job is an adapter file "
+    "the actors read from spec.weightSync.volume, and the nccl and gloo transfers send every weight of the model; "
+    "use backend filesystem with a volume, or remove spec.trainer.lora",
+    field_path=".trainer.lora",
+)
+
 
 class NetworkIsolation(Model):
     """The NetworkPolicy the operator keeps for the job (``<job>-isolation``): who may connect to its pods."""
@@ -867,6 +902,8 @@ class NetworkIsolation(Model):
 
 class RLJobSpec(Model):
     """An online RL job: vLLM rollout actors and a torch trainer, kept in lockstep by weight-update barriers."""
+
+    model_config = ConfigDict(json_schema_extra=validations(LORA_BACKEND_RULE))
 
     model: ModelSource = Field(
         description="The base model the actors serve and the trainer trains (immutable).",

@@ -191,10 +191,10 @@ def validate(args: argparse.Namespace) -> int:
         return 1
     name, enforcement = policy.metadata.get("name", ""), config.enforcement.value
     if config.refused:
-        print(f"{args.file}: refused by the API server:", *(c.refusal(name) for c in config.conflicts), sep="\n  ")
+        print(f"{args.file}: refused by the API server:", *config.refusals(), sep="\n  ")
         return 1
-    for conflict in config.conflicts:
-        print(f"{args.file}: ParityPolicy {name!r} ({enforcement}) differs: {conflict.describe()}")
+    for difference in config.differences():
+        print(f"{args.file}: ParityPolicy {name!r} ({enforcement}) differs: {difference}")
     dataset = RLJobSpec.model_validate(_load(args.file)["spec"]).trainer.dataset
     problems = dataset_problems(dataset, args.data_root) if dataset else []
     if problems:

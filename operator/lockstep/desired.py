@@ -150,12 +150,13 @@ def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
 
 
 def pod_config(spec: RLJobSpec, config: EffectiveConfig) -> PodConfig:
-    """What the job's pods run with (lockstep.podconfig.load_pod_config reads it in each)."""
+    """What the job's pods run with (lockstep.podconfig.load_pod_config reads it in each). The document's lora is
+    spec.trainer.lora, which the pods read in training.lora."""
     return PodConfig.model_validate(
         {
             "fingerprint": config.fingerprint,
             "policy": config.policy,
-            **config.document(),
+            **{key: value for key, value in config.document().items() if key != "lora"},
             "mismatchBudget": config.mismatch_budget,
             "training": spec.trainer.training(),
         }

@@ -16,6 +16,7 @@ from lockstep.api import (
     DType,
     Enforcement,
     LogprobsMode,
+    LoraRequirement,
     MismatchBudget,
     ParityPolicy,
     ParityPolicySpec,
@@ -76,6 +77,47 @@ class Conflict:
 
 
 @dataclass(frozen=True)
+class LoraConflict:
+    """The job trains a LoRA adapter where its policy forbids one, or none where its policy requires one."""
+
+    requirement: LoraRequirement
+    """Required or Forbidden: what the policy's spec.lora says."""
+
+    def describe(self) -> str:
+        if self.requirement is LoraRequirement.FORBIDDEN:
+            return "spec.trainer.lora is set (the policy's spec.lora is Forbidden: full fine-tuning only)"
+        return "spec.trainer.lora is not set (the policy's spec.lora is Required: LoRA jobs only)"
+
+    def refusal(self, policy: str) -> str:
+        """The API server's words when an Enforce policy refuses it (the CEL in crds/admission-parity.yaml)."""
+        return lora_refusal(self.requirement, policy)
+
+
+def lora_refusal(requirement: LoraRequirement, policy: str) -> str:
+    """Why an Enforce ParityPolicy named ``policy`` refuses a job over spec.trainer.lora, and the fix (the words of
+    both the operator and the API server: admission.lora_validations renders them in CEL from this function)."""
+    if requirement is LoraRequirement.FORBIDDEN:
+        return (
+            f"spec.trainer.lora: ParityPolicy '{policy}' (Enforce) forbids LoRA adapters (its spec.lora is Forbidden); "
+            "remove spec.trainer.lora to train every weight, or name a ParityPolicy whose spec.lora is Allowed"
+        )
+    return (
+        f"spec.trainer.lora: ParityPolicy '{policy}' (Enforce) requires a LoRA adapter (its spec.lora is Required); "
+        "set spec.trainer.lora (e.g. {rank: 16}, with spec.weightSync.backend filesystem), or name a ParityPolicy "
+        "whose spec.lora is Allowed"
+    )
+
+
+def lora_conflict(spec: RLJobSpec, requirement: LoraRequirement) -> LoraConflict | None:
+    """Whether the job's spec.trainer.lora breaks the policy's spec.lora."""
+    if requirement is LoraRequirement.FORBIDDEN and spec.trainer.lora is not None:
+        return LoraConflict(requirement)
+    if requirement is LoraRequirement.REQUIRED and spec.trainer.lora is None:
+        return LoraConflict(requirement)
+    return None
+
+
+@dataclass(frozen=True)
 class EffectiveConfig:
     """What the pods of a job run with, and the sha256 fingerprint stamped on them."""
 
@@ -88,6 +130,10 @@ class EffectiveConfig:
     weight_update: dict[str, Any]
     model: dict[str, Any]
     conflicts: list[Conflict] = field(default_factory=list)
+    lora: dict[str, Any] | None = None
+    """spec.trainer.lora, by its API names; None for a job that trains every weight."""
+    lora_conflict: LoraConflict | None = None
+    """How the job breaks its policy's spec.lora, if it does (a policy can neither add nor drop an adapter)."""
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -101,17 +147,31 @@ class EffectiveConfig:
         return VllmSettings.model_validate(self.vllm)
 
     def document(self) -> dict[str, Any]:
-        """The part that determines parity (written to the job's ConfigMap)."""
-        return {
+        """The part that determines parity (written to the job's ConfigMap). ``lora`` only for a LoRA job, so that
+        the fingerprint of a job that trains every weight is what it was before LoRA existed."""
+        document = {
             "model": self.model,
             "vllm": self.vllm,
             "trainer": self.trainer,
             "weightUpdate": self.weight_update,
         }
+        if self.lora is not None:
+            document["lora"] = self.lora
+        return document
 
     @property
     def refused(self) -> bool:
-        return bool(self.conflicts) and self.enforcement is Enforcement.ENFORCE
+        return bool(self.conflicts or self.lora_conflict) and self.enforcement is Enforcement.ENFORCE
+
+    def refusals(self) -> list[str]:
+        """The API server's words for each conflict, were the policy Enforce (the vLLM keys first, as it checks)."""
+        words = [conflict.refusal(self.policy) for conflict in self.conflicts]
+        return words + ([self.lora_conflict.refusal(self.policy)] if self.lora_conflict else [])
+
+    def differences(self) -> list[str]:
+        """Each conflict, described (the vLLM keys first)."""
+        described = [conflict.describe() for conflict in self.conflicts]
+        return described + ([self.lora_conflict.describe()] if self.lora_conflict else [])
 
 
 def _cel_show(value: Any) -> str:
@@ -192,4 +252,6 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
         weight_update=policy.spec.weight_update.model_dump(mode="json", by_alias=True),
         model=spec.model.model_dump(mode="json", by_alias=True),
         conflicts=conflicts,
+        lora=None if spec.trainer.lora is None else spec.trainer.lora.model_dump(mode="json", by_alias=True),
+        lora_conflict=lora_conflict(spec, policy.spec.lora),
     )

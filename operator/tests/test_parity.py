@@ -78,3 +78,97 @@ def test_fingerprint_is_canonical_and_changes_with_the_config() -> None:
     assert first.fingerprint == reordered.fingerprint
     assert first.fingerprint != other.fingerprint
     assert first.fingerprint.startswith("sha256:") and len(first.fingerprint) == 7 + 64
+
+
+def lora_spec(**lora: object) -> RLJobSpec:
+    body = job()["spec"]
+    body["trainer"]["lora"] = lora
+    return RLJobSpec.model_validate(body)
+
+
+BEFORE_LORA = "sha256:eebe9754efd2d0afca33de2cd94c899c663ec5b4e30a473fc7b35209d1f45e34"
+"""The fingerprint of the factories' job under the default policy before spec.trainer.lora existed (commit 23674aa):
+were it to change, every running job's pods would be replaced as drift."""
+
+
+def test_the_fingerprint_covers_the_adapter_and_a_job_without_one_keeps_its_own() -> None:
+    base = policies(policy())[0]
+    full = effective_config(spec(), base)
+    assert "lora" not in full.document()
+    assert full.fingerprint == BEFORE_LORA
+    rank_8, rank_16 = effective_config(lora_spec(rank=8), base), effective_config(lora_spec(rank=16), base)
+    assert rank_8.document()["lora"] == {
+        "rank": 8,
+        "alpha": 32.0,
+        "dropout": 0.0,
+        "targetModules": None,
+        "trainLmHead": False,
+    }
+    assert rank_8.fingerprint != rank_16.fingerprint
+    assert BEFORE_LORA not in (rank_8.fingerprint, rank_16.fingerprint)
+    assert effective_config(lora_spec(rank=8), base).fingerprint == rank_8.fingerprint
+
+
+@pytest.mark.parametrize(
+    ("requirement", "job_spec", "refusal"),
+    [
+        (
+            "Forbidden",
+            lora_spec(rank=8),
+            "spec.trainer.lora: ParityPolicy 'default' (Enforce) forbids LoRA adapters (its spec.lora is Forbidden); "
+            "remove spec.trainer.lora to train every weight, or name a ParityPolicy whose spec.lora is Allowed",
+        ),
+        (
+            "Required",
+            spec(),
+            "spec.trainer.lora: ParityPolicy 'default' (Enforce) requires a LoRA adapter (its spec.lora is Required); "
+            "set spec.trainer.lora (e.g. {rank: 16}, with spec.weightSync.backend filesystem), or name a ParityPolicy "
+            "whose spec.lora is Allowed",
+        ),
+    ],
+)
+def test_a_policy_that_forbids_or_requires_lora_refuses_under_enforce_and_reports_otherwise(
+    requirement: str, job_spec: RLJobSpec, refusal: str
+) -> None:
+    enforced = effective_config(job_spec, policies(policy(lora=requirement))[0])
+    assert enforced.refused and not enforced.conflicts
+    assert enforced.lora_conflict is not None and enforced.lora_conflict.requirement.value == requirement
+    assert enforced.refusals() == [refusal]
+    for enforcement in ("Warn", "Audit"):
+        reported = effective_config(job_spec, policies(policy(lora=requirement, enforcement=enforcement))[0])
+        assert not reported.refused and reported.lora_conflict == enforced.lora_conflict
+        # Neither Warn nor Audit adds or drops the adapter: the job trains what it says.
+        lora = job_spec.trainer.lora
+        adapter = None if lora is None else lora.model_dump(mode="json", by_alias=True)
+        assert reported.lora == enforced.lora == adapter and reported.document() == enforced.document()
+
+
+def test_a_job_that_meets_the_lora_requirement_has_no_conflict() -> None:
+    for requirement, job_spec in [
+        ("Allowed", spec()),
+        ("Allowed", lora_spec()),
+        ("Required", lora_spec()),
+        ("Forbidden", spec()),
+    ]:
+        config = effective_config(job_spec, policies(policy(lora=requirement))[0])
+        assert config.lora_conflict is None and not config.refused, requirement
+
+
+def test_vllm_and_lora_conflicts_are_both_refused_the_vllm_keys_first() -> None:
+    body = job()["spec"]
+    body["actors"]["vllm"] = {"logprobsMode": "raw_logprobs"}
+    body["trainer"]["lora"] = {}
+    config = effective_config(RLJobSpec.model_validate(body), policies(policy(lora="Forbidden"))[0])
+    assert [line.split(":")[0] for line in config.refusals()] == ["spec.actors.vllm.logprobsMode", "spec.trainer.lora"]
+
+
+def test_differences_name_the_vllm_keys_then_the_lora_requirement() -> None:
+    body = job()["spec"]
+    body["actors"]["vllm"] = {"seed": 1}
+    locked = policy(lora="Required", enforcement="Audit")
+    locked["spec"]["vllm"]["seed"] = 2
+    config = effective_config(RLJobSpec.model_validate(body), policies(locked)[0])
+    assert config.differences() == [
+        "spec.actors.vllm.seed=1 (locked to 2)",
+        "spec.trainer.lora is not set (the policy's spec.lora is Required: LoRA jobs only)",
+    ]

@@ -68,28 +68,49 @@ def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
     run.status.parity_policy = config.policy
     conflicts = "; ".join(c.describe() for c in config.conflicts)
     if config.refused:
-        message = (
-            f"ParityPolicy {config.policy!r} (Enforce) locks keys this job sets otherwise: {conflicts}. "
-            "Remove them from spec.actors.vllm or set them to the locked values; no pods run until then"
-        )
+        refusals = []
+        if config.conflicts:
+            refusals.append(
+                f"ParityPolicy {config.policy!r} (Enforce) locks keys this job sets otherwise: {conflicts}. "
+                "Remove them from spec.actors.vllm or set them to the locked values"
+            )
+        if config.lora_conflict:
+            refusals.append(config.lora_conflict.refusal(config.policy))
+        message = f"{'. '.join(refusals)}; no pods run until then"
         run.stop_all_pods("the job conflicts with its ParityPolicy")
         run.status.phase = Phase.PENDING
         run.condition(PARITY_LOCKED, False, Reason.CONFLICTS_WITH_POLICY, message)
         run.condition(READY, False, Reason.CONFLICTS_WITH_POLICY, message)
         summary.count(run, spec, {})
         return None
-    if not config.conflicts:
+    lora = lora_report(config)
+    if not config.conflicts and lora is None:
         run.condition(PARITY_LOCKED, True, Reason.LOCKED, f"vLLM settings locked by ParityPolicy {config.policy!r}")
     elif config.enforcement is Enforcement.WARN:
-        message = f"ParityPolicy {config.policy!r} (Warn) overrode: {conflicts}; the pods run with the locked values"
-        run.condition(PARITY_LOCKED, True, Reason.LOCKED_VALUES_APPLIED, message)
+        parts = [f"overrode: {conflicts}; the pods run with the locked values"] if config.conflicts else []
+        message = f"ParityPolicy {config.policy!r} (Warn) " + "; ".join(parts + ([lora] if lora else []))
+        # The vLLM settings are locked either way; the LoRA requirement is the one thing Warn cannot apply.
+        reason = Reason.LORA_NOT_AS_POLICY_REQUIRES if lora else Reason.LOCKED_VALUES_APPLIED
+        run.condition(PARITY_LOCKED, True, reason, message)
     else:
-        run.condition(
-            PARITY_LOCKED,
-            False,
-            Reason.AUDIT_ONLY,
-            f"ParityPolicy {config.policy!r} (Audit) records that this job differs: {conflicts}; "
-            "the pods run with the job's own values",
+        parts = (
+            [f"records that this job differs: {conflicts}; the pods run with the job's own values"]
+            if config.conflicts
+            else []
         )
+        message = f"ParityPolicy {config.policy!r} (Audit) " + "; ".join(parts + ([lora] if lora else []))
+        run.condition(PARITY_LOCKED, False, Reason.AUDIT_ONLY, message)
     run.status.config_fingerprint = config.fingerprint
     return config
+
+
+def lora_report(config: EffectiveConfig) -> str | None:
+    """How a job that a Warn or Audit policy admits breaks the policy's spec.lora, what it trains all the same, and
+    the fix; None when it does not break it."""
+    if config.lora_conflict is None:
+        return None
+    trains, fix = ("its adapter", "without") if config.lora is not None else ("every weight", "with")
+    return (
+        f"records that {config.lora_conflict.describe()}; the trainer trains {trains} all the same (a policy never "
+        f"adds or drops an adapter); to comply, create the RLJob again {fix} spec.trainer.lora (it is immutable)"
+    )

@@ -26,6 +26,7 @@ class Reason(StrEnum):
     # ParityLocked (and Ready, when the job may not run)
     LOCKED = "Locked"
     LOCKED_VALUES_APPLIED = "LockedValuesApplied"
+    LORA_NOT_AS_POLICY_REQUIRES = "LoraNotAsPolicyRequires"
     AUDIT_ONLY = "AuditOnly"
     DRIFT = "Drift"
     CONFLICTS_WITH_POLICY = "ConflictsWithPolicy"
@@ -54,7 +55,14 @@ class Reason(StrEnum):
     DELETING_PODS = "DeletingPods"
 
 
-WARNING = frozenset({Reason.LOCKED_VALUES_APPLIED, Reason.MISMATCH_BUDGET_EXCEEDED, Reason.WORKLOAD_DELETED})
+WARNING = frozenset(
+    {
+        Reason.LOCKED_VALUES_APPLIED,
+        Reason.LORA_NOT_AS_POLICY_REQUIRES,
+        Reason.MISMATCH_BUDGET_EXCEEDED,
+        Reason.WORKLOAD_DELETED,
+    }
+)
 """Reasons whose transition Event is a Warning even though the condition is True."""
 BENIGN = frozenset({Reason.PODS_NOT_READY, Reason.SUSPENDED, Reason.QUEUED, Reason.ADMITTED, Reason.WITHIN_BUDGET})
 """False conditions that are ordinary progress rather than trouble (their Events are Normal)."""
