@@ -127,9 +127,7 @@ def _train_an_adapter(rank: int, model: str, out: str, train_lm_head: bool) -> N
     learn(full.policy, full.optimizer, ROLLOUTS, REWARDS, Objective(algorithm="grpo", minibatches=1), 1.0)
 
     def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-        return sum(
-            t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0
-        )
+        return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
 
     result = {
         "published": trained.gathered(),
@@ -179,8 +177,7 @@ def test_a_published_adapter_loads_with_peft_and_computes_what_the_trainer_does(
     shutil.copy(local_path(weights), adapter / "adapter_model.safetensors")
     peft_model = PeftModel.from_pretrained(tiny(tmp_path / "model"), str(adapter))
     peft_model.eval()
-    longest = max(len(r.prompt) + len(r.completion) for r in ROLLOUTS)
-    ids = torch.tensor([r.prompt + r.completion + [0] * (longest - len(r.prompt) - len(r.completion)) for r in ROLLOUTS])
+    ids = torch.tensor([r.prompt + r.completion for r in ROLLOUTS])  # all of one length
     with torch.no_grad():
         scores = peft_model(input_ids=ids).logits.float().log_softmax(-1)
     for row, r in enumerate(ROLLOUTS):
