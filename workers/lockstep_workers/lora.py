@@ -153,7 +153,7 @@ def inject(causal_lm: torch.nn.Module, config: LoraConfig) -> None:
     does. With a dropout, the model is put in train mode, where the dropout acts."""
     from peft import get_peft_model
 
-    wrapped: Any = get_peft_model(causal_lm, config)  # type: ignore[arg-type]
+    wrapped: Any = get_peft_model(causal_lm, config)
     if wrapped.base_model.model is not causal_lm:
         raise RuntimeError("PEFT wrapped a copy of the model instead of injecting its adapter in place")
     if config.lora_dropout:
