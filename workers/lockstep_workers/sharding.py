@@ -70,7 +70,7 @@ def shard(
 
 
 TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-"""As FULL, of the trainable parameters alone (a LoRA adapter's; no buffers)."""
+"""As FULL, without the frozen parameters (a LoRA job's base)."""
 
 
 def full_state_dict(causal_lm: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -83,6 +83,9 @@ def full_state_dict(causal_lm: torch.nn.Module, *, trainable_only: bool = False)
     aliases -= {name for name, _ in causal_lm.named_parameters()}
     live = {_local(t).untyped_storage().data_ptr() for t in (*causal_lm.parameters(), *causal_lm.buffers())}
     gathered = get_model_state_dict(causal_lm, options=TRAINABLE if trainable_only else FULL)
+    if trainable_only:  # no buffers either
+        trains = {name for name, parameter in causal_lm.named_parameters() if parameter.requires_grad}
+        gathered = {name: t for name, t in gathered.items() if name in trains}
     return {
         name: t.clone() if t.untyped_storage().data_ptr() in live else t
         for name, t in gathered.items()

@@ -17,6 +17,8 @@ ranks save their shards (lockstep_workers.checkpoint). With a collective backend
 rank 0 also serves each version's manifest and sends the weights itself, as a member of each barrier
 (lockstep_workers.transfer). Rollouts of the next step are sampled while the actors take the update in flight; each
 token carries the version it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
+With spec.trainer.lora the base model is frozen and a PEFT LoRA adapter trains (lockstep_workers.lora): each version,
+checkpoint and optimizer state is the adapter's alone.
 """
 
 from __future__ import annotations
