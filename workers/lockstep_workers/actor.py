@@ -45,7 +45,7 @@ from lockstep import environment
 from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
 from lockstep.podconfig import ActorArgs, PodConfig, load_pod_config, parse_actor_args
 from lockstep.protocol import TransferGroup, Weights
-from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine
+from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id, base_adapter
 from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
 from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
@@ -146,8 +146,10 @@ class Actor:
         self.serving = BASE_VERSION
         self.updating = False
         """Between an update's pause (a no-op for LoRA) and its resume."""
+        self.lora = lora
         self.adapters = AdapterTable(lora.max_lag) if lora is not None else None
         self.adapter_files = AdapterFiles() if lora is not None else None
+        self._base_lock = asyncio.Lock()
         self.paused_at: float | None = None
         self.pause_seconds = 0.0
         self.updates: list[dict[str, float | int | None]] = []
@@ -169,7 +171,10 @@ class Actor:
         logprobs: list[float] = []
         versions: list[int] = []
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        adapter = self.adapters.start() if self.adapters is not None else None
+        adapter = None
+        if self.adapters is not None:
+            await self._load_base_adapter()
+            adapter = self.adapters.start()
         try:
             async for output in self.llm.generate(
                 prompt, params, request_id=uuid.uuid4().hex, lora_request=_lora_request(adapter, self.adapter_files)
@@ -247,8 +252,23 @@ class Actor:
 
     async def _add_adapter(self, version: int, verified: str) -> None:
         """Load version ``version``'s adapter from the verified copy of its file, generation going on."""
+        assert self.adapter_files is not None
+        await self._load_base_adapter()
+        await self._register(version, self.adapter_files.write(version, verified))
+
+    async def _load_base_adapter(self) -> None:
+        """Load version 0, the base model as an adapter of zeros (lockstep_workers.adapters), before any request
+        or other version; built in a thread, once."""
+        assert self.adapters is not None and self.adapter_files is not None and self.lora is not None
+        async with self._base_lock:
+            if BASE_VERSION in self.adapters.loaded or self.loaded != BASE_VERSION:
+                return
+            tensors, config = await asyncio.to_thread(base_adapter, self.lora.settings, self.llm.model_config.hf_config)
+            await self._register(BASE_VERSION, self.adapter_files.write_tensors(BASE_VERSION, tensors, config))
+            self.adapters.serve(BASE_VERSION)
+
+    async def _register(self, version: int, path: Path) -> None:
         assert self.adapters is not None and self.adapter_files is not None
-        path = self.adapter_files.write(version, verified)
         if not await self.llm.add_lora(_lora_request(version, self.adapter_files)):
             self.adapter_files.remove(version)
             raise RuntimeError(f"vLLM did not load the adapter of weights version {version} from {path}")
@@ -259,19 +279,19 @@ class Actor:
         when it evicts an adapter from its cache)."""
         assert self.adapters is not None and self.adapter_files is not None
         for version in versions:
-            await self.llm.remove_lora(version)
+            await self.llm.remove_lora(adapter_id(version))
             self.adapters.removed(version)
             self.adapter_files.remove(version)
             logger.info("unloaded the adapter of weights version %d: no request uses it", version)
 
 
 def _lora_request(version: int | None, files: AdapterFiles | None) -> Any:
-    """vLLM's LoRARequest of an adapter version, or None for the base model (version 0, or a full-weights job)."""
-    if not version or files is None:
+    """vLLM's LoRARequest of an adapter version (a LoRA job), or None (a full-weights job)."""
+    if version is None or files is None:
         return None
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(f"v{version}", version, str(files.path(version)))
+    return LoRARequest(f"v{version}", adapter_id(version), str(files.path(version)))
 
 
 def lora_engine(config: PodConfig | None) -> LoraEngine | None:
