@@ -116,7 +116,7 @@ def test_adapters_update_while_requests_run_with_no_pause_and_exact_logprobs(tmp
         for output in outputs:
             assert set(output["weights_versions"]) == {version}, "a request keeps the adapter it started with"
             difference = (torch.tensor(output["logprobs"]) - expected_logprobs(published, version, output)).abs()
-            print(f"version {version}: |Δlogprob| against PEFT by token {[round(d, 4) for d in difference.tolist()]}")
+            print(f"version {version}: {len(difference)} tokens, max |Δlogprob| against PEFT {difference.max():.2e}")
             worst[version] = max(worst.get(version, 0.0), difference.max().item())
     assert all(difference < 1e-3 for difference in worst.values()), f"max |Δlogprob| by version: {worst}"
     base = expected_logprobs(published, 0, results[3][0])
