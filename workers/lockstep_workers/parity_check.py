@@ -224,7 +224,8 @@ def random_adapter(
     lora.inject(causal_lm, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for module in causal_lm.modules():
+        for layer in causal_lm.modules():
+            module: Any = layer  # a PEFT LoRA layer (untyped)
             if not hasattr(module, "lora_A") or lora.ADAPTER_NAME not in module.lora_A:
                 continue
             down, up = module.lora_A[lora.ADAPTER_NAME].weight, module.lora_B[lora.ADAPTER_NAME].weight
