@@ -96,6 +96,9 @@ class Workload:
     shared_prefix: int = 320
     update_size: float = 0.2
     """How far the in-flight update moves each weight tensor, as a fraction of its spread."""
+    adapter_size: float = 0.05
+    """With a LoRA adapter: how far each adapted module's update (alpha/r)·B·A is, as a fraction of its weight's
+    spread (random_adapter): enough to move the logprobs well beyond the mismatch, as a trained adapter does."""
 
 
 def configurations(policy: ParityPolicy, engine: VllmSettings) -> list[Configuration]:
@@ -322,7 +325,7 @@ def measure(
         key = settings.model_dump_json()
         if key not in adapters:
             directory = workdir / f"adapters-{len(adapters)}"
-            versions = [random_adapter(model_dir, settings, workload.update_size, seed=v) for v in (1, 2)]
+            versions = [random_adapter(model_dir, settings, workload.adapter_size, seed=v) for v in (1, 2)]
             adapters[key] = tuple(  # type: ignore[assignment]
                 publish(tensors, directory, version=v, metadata=metadata)
                 for v, (tensors, metadata) in enumerate(versions, 1)
@@ -372,18 +375,32 @@ def measure(
             measurement.workloads[name] = compare(engine, trainer, workload.epsilon, workload.cap)
             if first is not None:
                 base = recompute(trainer_model(dtype, "base"), configuration, sampled, top_p)
-                effect = compare(base, trainer, workload.epsilon, workload.cap)
-                measurement.adapter_effect[name] = {k: effect[k] for k in ("meanAbsDiff", "maxAbsDiff")}
+                measurement.adapter_effect[name] = _effect(base, trainer)
         logger.info("[%d/%d] %s: %s", number, len(configurations), configuration.name, _summary(measurement))
         results.append(measurement)
     return results
 
 
+def _effect(base: Sequence[float], adapted: Sequence[float]) -> dict[str, float]:
+    """Mean and max |Δlogprob| of the same tokens with and without the adapter, where both are finite (a token
+    outside either's top-p set is left out)."""
+    without, with_adapter = torch.tensor(base, dtype=torch.float64), torch.tensor(adapted, dtype=torch.float64)
+    both = without.isfinite() & with_adapter.isfinite()
+    delta = (with_adapter - without)[both].abs()
+    return {"meanAbsDiff": float(delta.mean()), "maxAbsDiff": float(delta.max())}
+
+
 def _summary(measurement: Measurement) -> str:
     batch, shared = measurement.workloads["batch"], measurement.workloads["sharedPrefix"]
+    effect = measurement.adapter_effect.get("batch")
     return (
         f"mean |Δlogprob| {batch['meanAbsDiff']:.2e}, clip {batch['clipFraction']:.3f}; after an update with a "
         f"shared prefix {shared['meanAbsDiff']:.2e} (max {shared['maxAbsDiff']:.2f})"
+    ) + (
+        f"; the adapter moves the trainer's logprobs from the base model's by {effect['meanAbsDiff']:.2e} "
+        f"(max {effect['maxAbsDiff']:.2f})"
+        if effect
+        else ""
     )
 
 
