@@ -112,7 +112,7 @@ def test_vllms_lora_kernels_stay_within_the_default_budget_of_peft(tmp_path: Pat
     model = create_tiny_llama(tmp_path / "model", dtype="bfloat16", head_scale=parity_check.PEAKY_HEAD_SCALE)
     engine = VllmSettings(dtype=DType.BFLOAT16, enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.15)
     [configuration] = [c for c in configurations(default_policy(), engine) if c.lora is not None]
-    [measurement] = parity_check.measure([configuration], model, tmp_path, Workload(prompts=4))
+    [measurement] = parity_check.measure([configuration], model, tmp_path, Workload())  # the documented row's
     budget = MismatchBudget().mean_abs_logprob_diff
     for name in ("batch", "topP", "sharedPrefix"):
         mismatch, effect = measurement.workloads[name], measurement.adapter_effect[name]
