@@ -12,6 +12,12 @@ recomputes the logprob of every sampled token:
 - ``topP``: the batch again at top-p < 1; tokens vLLM sampled that fall outside the trainer's top-p
   set (an infinite log-ratio) are counted apart.
 
+A configuration with a LoRA adapter (``lora``, spec.trainer.lora) runs as a LoRA job's actor does: vLLM's LoRA
+engine, a random non-zero PEFT adapter published as version 1 and loaded before the workloads (so batch and topP
+are sampled under it), and the in-flight update loads a second adapter (version 2). The trainer recomputes with
+the same adapters injected by PEFT (lockstep_workers.lora), so what is measured is vLLM's LoRA kernels against
+PEFT's forward; ``adapterEffect`` says how far each adapter moved the trainer's logprobs from the base model's.
+
 Metrics per workload (``compare``): mean and max |Δlogprob|, KL(rollout‖trainer) by the k3 estimator,
 the fraction of tokens whose ratio π_trainer/π_rollout leaves [1-ε, 1+ε], ESS of those ratios without
 and with truncated importance sampling (min(w, C)), and the correlation of token probabilities.
@@ -38,12 +44,13 @@ from lockstep.api import (
     PREFIX_CACHE_RULE,
     DType,
     LogprobsMode,
+    LoraSettings,
     ParityPolicy,
     PauseMode,
     VllmSettings,
     WeightUpdateSemantics,
 )
-from lockstep.podconfig import load_pod_config
+from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import PreflightResult, Weights, document
 from lockstep_workers.learner import Policy, Rollout, token_logprobs
 from lockstep_workers.vllm_args import UnsupportedSetting
@@ -61,6 +68,8 @@ class Configuration:
     update: WeightUpdateSemantics
     refused: str | None = None
     """Why a ParityPolicy refuses this combination, when it does."""
+    lora: LoraSettings | None = None
+    """A LoRA job's adapter (spec.trainer.lora): both sides compute with it applied."""
 
     def dtype(self, model_dir: Path) -> str:
         """The dtype both sides compute in: the engine's, or the checkpoint's when it is auto."""
@@ -87,12 +96,16 @@ class Workload:
     shared_prefix: int = 320
     update_size: float = 0.2
     """How far the in-flight update moves each weight tensor, as a fraction of its spread."""
+    adapter_size: float = 0.05
+    """With a LoRA adapter: how far each adapted module's update (alpha/r)·B·A is, as a fraction of its weight's
+    spread (random_adapter): enough to move the logprobs well beyond the mismatch, as a trained adapter does."""
 
 
 def configurations(policy: ParityPolicy, engine: VllmSettings) -> list[Configuration]:
     """V1 defaults, each fix added in turn, the locked policy, the incoherent combination the policy
-    refuses (prefix caching on with clear_cache=False), and the locked policy with both sides in fp32
-    (what is left is kernel numerics). ``engine`` holds the settings every run shares (dtype,
+    refuses (prefix caching on with clear_cache=False), the locked policy with both sides in fp32
+    (what is left is kernel numerics), and the locked policy with a LoRA adapter (rank 16, the default
+    target modules: vLLM's LoRA kernels against PEFT's forward). ``engine`` holds the settings every run shares (dtype,
     max_model_len, memory)."""
     base = engine.model_dump(exclude_none=True)
     defaults = WeightUpdateSemantics(pause_mode=PauseMode.ABORT, clear_cache=True)  # pause_generation()'s own
@@ -123,6 +136,16 @@ def configurations(policy: ParityPolicy, engine: VllmSettings) -> list[Configura
     )
     fp32 = locked.model_copy(update={"dtype": DType.FLOAT32})
     result.append(Configuration(f"locked ({name}), fp32 model", fp32, True, policy.spec.weight_update))
+    lora = LoraSettings()
+    result.append(
+        Configuration(
+            f"locked ({name}) + LoRA r{lora.rank}",
+            locked,
+            locked_head,
+            policy.spec.weight_update,
+            lora=lora,
+        )
+    )
     return result
 
 
@@ -158,15 +181,21 @@ def compare(rollout: Sequence[float], trainer: Sequence[float], epsilon: float, 
 class Measurement:
     configuration: Configuration
     workloads: dict[str, dict[str, float]] = field(default_factory=dict)
+    adapter_effect: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With a LoRA adapter, per workload: mean and max |Δlogprob| of the trainer with the adapter against the
+    trainer with none (the base model), on the same tokens: how much the adapter moves the logprobs."""
 
     def document(self) -> dict[str, Any]:
+        lora = self.configuration.lora
         return {
             "name": self.configuration.name,
             "vllm": self.configuration.vllm.model_dump(mode="json", by_alias=True, exclude_none=True),
             "trainerLmHeadFp32": self.configuration.fp32_head,
             "weightUpdate": self.configuration.update.model_dump(mode="json", by_alias=True),
             "refusedByPolicy": self.configuration.refused,
+            "lora": lora.model_dump(mode="json", by_alias=True) if lora is not None else None,
             **self.workloads,
+            **({"adapterEffect": self.adapter_effect} if self.adapter_effect else {}),
         }
 
 
@@ -180,6 +209,35 @@ def perturbed(model_dir: Path, scale: float = 0.05, seed: int = 1) -> dict[str, 
         noise = torch.randn(tensor.shape, generator=generator) * tensor.float().std() * scale
         result[name] = (tensor.float() + noise).to(tensor.dtype)
     return result
+
+
+def random_adapter(
+    model_dir: Path, settings: LoraSettings, scale: float = 0.2, seed: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A random non-zero LoRA adapter of the model, as a LoRA job's trainer publishes one: PEFT's config of
+    ``settings`` (target modules resolved on the model, lockstep_workers.lora.adapter_config), lora_A and lora_B
+    drawn (seeded) so that each adapted module's update (alpha/r)·B·A has ``scale`` of its weight's spread, as
+    ``perturbed`` moves full weights. Returns the tensors under PEFT's file names and the header metadata."""
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers import lora
+
+    causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = lora.adapter_config(settings, causal_lm)
+    lora.inject(causal_lm, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in causal_lm.modules():
+            module: Any = layer  # a PEFT LoRA layer (untyped)
+            if not hasattr(module, "lora_A") or lora.ADAPTER_NAME not in module.lora_A:
+                continue
+            down, up = module.lora_A[lora.ADAPTER_NAME].weight, module.lora_B[lora.ADAPTER_NAME].weight
+            down.copy_(torch.randn(down.shape, generator=generator) / math.sqrt(down.shape[1]))
+            up.copy_(torch.randn(up.shape, generator=generator))
+            update = module.scaling[lora.ADAPTER_NAME] * (up @ down)
+            up.mul_(scale * module.base_layer.weight.float().std() / update.std())
+    tensors = {name: p.detach().clone() for name, p in causal_lm.named_parameters() if p.requires_grad}
+    return lora.file_names(tensors), lora.adapter_metadata(config)
 
 
 def random_prompts(count: int, length: int, vocabulary: int, seed: int) -> list[list[int]]:
@@ -198,18 +256,37 @@ async def _sample(actor: Any, prompts: list[list[int]], samples: int, sampling: 
 
 
 async def _run_engine(
-    configuration: Configuration, model_dir: Path, update: Weights, workload: Workload, vocabulary: int
+    configuration: Configuration,
+    model_dir: Path,
+    update: Weights,
+    workload: Workload,
+    vocabulary: int,
+    initial: Weights | None = None,
 ) -> dict[str, list[Rollout]]:
-    """The three workloads' rollouts from one vLLM engine run with ``configuration``."""
+    """The three workloads' rollouts from one vLLM engine run with ``configuration``; with a LoRA adapter,
+    ``initial`` (adapter version 1) is loaded before them and ``update`` is the second adapter."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_workers.actor import Actor, applied_settings, engine_args
+    from lockstep_workers.adapters import LoraEngine
     from lockstep_workers.weights import WeightsDirectory, local_path
 
-    llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(configuration.vllm)))
-    actor = Actor(llm, pause_mode=configuration.update.pause_mode, clear_cache=configuration.update.clear_cache)
+    lora = LoraEngine.of(configuration.lora, max_lag=1) if configuration.lora is not None else None
+    llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(configuration.vllm), lora=lora))
+    actor = Actor(
+        llm, pause_mode=configuration.update.pause_mode, clear_cache=configuration.update.clear_cache, lora=lora
+    )
     sampling = {"temperature": workload.temperature, "max_tokens": workload.tokens, "ignore_eos": True}
+
+    async def load(weights: Weights) -> None:
+        await actor.pause()
+        with WeightsDirectory(local_path(weights).parent).read(weights) as verified:
+            await actor.load(weights, verified)
+        await actor.resume()
+
     try:
+        if initial is not None:
+            await load(initial)  # as a LoRA job's actor takes its first adapter
         prompts = random_prompts(workload.prompts, 5, vocabulary, seed=0)
         batch = await _sample(actor, prompts, workload.samples, {**sampling, "top_p": 1.0})
         top_p = await _sample(actor, prompts, workload.samples, {**sampling, "top_p": workload.top_p})
@@ -220,10 +297,7 @@ async def _run_engine(
         await _sample(actor, [shared], workload.samples, sampling)  # served under the old weights: cached
         in_flight = asyncio.create_task(actor.generate(shared, {**sampling, "max_tokens": 4 * workload.tokens}))
         await asyncio.sleep(0.3)
-        await actor.pause()
-        with WeightsDirectory(local_path(update).parent).read(update) as verified:
-            await actor.load(update, verified)
-        await actor.resume()
+        await load(update)
         after = await _sample(actor, [shared], workload.samples, sampling)
         await in_flight  # aborted (defaults) or finished under the new weights (keep)
         return {"batch": batch, "topP": top_p, "sharedPrefix": after}
@@ -235,48 +309,98 @@ def measure(
     configurations: Sequence[Configuration], model_dir: Path, workdir: Path, workload: Workload
 ) -> list[Measurement]:
     """Run every configuration; the trainer recomputes each workload's tokens."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers.weights import publish
+    from lockstep_workers import lora
+    from lockstep_workers.weights import local_path, publish
 
     new_weights = perturbed(model_dir, workload.update_size)
     update = publish(new_weights, workdir / "weights", version=1)
-    trainers: dict[tuple[str, bool], Any] = {}
+    trainers: dict[tuple[str, str], Any] = {}
+    adapters: dict[str, tuple[Weights, Weights]] = {}
+    """Per LoRA setting (its JSON): the published adapter versions 1 and 2."""
 
-    def trainer_model(dtype: str, updated: bool) -> Any:
-        if (dtype, updated) not in trainers:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-            if updated:
+    def published_adapters(settings: LoraSettings) -> tuple[Weights, Weights]:
+        key = settings.model_dump_json()
+        if key not in adapters:
+            directory = workdir / f"adapters-{len(adapters)}"
+            versions = [random_adapter(model_dir, settings, workload.adapter_size, seed=v) for v in (1, 2)]
+            adapters[key] = tuple(  # type: ignore[assignment]
+                publish(tensors, directory, version=v, metadata=metadata)
+                for v, (tensors, metadata) in enumerate(versions, 1)
+            )
+        return adapters[key]
+
+    def trainer_model(dtype: str, weights: str | Weights, settings: LoraSettings | None = None) -> Any:
+        """The trainer's model in ``dtype``: "base", "updated" (the full-weights update), or with the adapter of
+        ``settings`` injected as the trainer injects it and loaded from the published version ``weights``."""
+        key = (dtype, weights if isinstance(weights, str) else str(local_path(weights)))
+        if key not in trainers:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            if weights == "updated":
                 model.load_state_dict({n: t.to(getattr(torch, dtype)) for n, t in new_weights.items()}, strict=False)
-            trainers[dtype, updated] = model
-        return trainers[dtype, updated]
+            elif isinstance(weights, Weights):
+                assert settings is not None
+                lora.inject(model, lora.adapter_config(settings, model))
+                tensors = lora.live_names(load_file(str(local_path(weights))))
+                missing, unexpected = model.load_state_dict(tensors, strict=False)
+                assert not unexpected and not [n for n in missing if "lora_" in n], (missing, unexpected)
+            trainers[key] = model.eval()
+        return trainers[key]
 
-    vocabulary = trainer_model("float32", False).config.vocab_size
+    def recompute(model: Any, configuration: Configuration, sampled: list[Rollout], top_p: float) -> list[float]:
+        with torch.no_grad():
+            policy = Policy(model, fp32_head=configuration.fp32_head)
+            recomputed, _, _ = token_logprobs(policy, sampled, workload.temperature, top_p=top_p)
+        return [v for row, r in enumerate(sampled) for v in recomputed[row, : len(r.completion)].tolist()]
+
+    vocabulary = trainer_model("float32", "base").config.vocab_size
     results = []
     for number, configuration in enumerate(configurations, 1):
         logger.info("[%d/%d] %s: starting vLLM", number, len(configurations), configuration.name)
-        rollouts = asyncio.run(_run_engine(configuration, model_dir, update, workload, vocabulary))
+        first, second = published_adapters(configuration.lora) if configuration.lora is not None else (None, update)
+        rollouts = asyncio.run(_run_engine(configuration, model_dir, second, workload, vocabulary, initial=first))
         gc.collect()  # the engine's processes are gone; collect it here, not at interpreter exit
         measurement = Measurement(configuration)
+        dtype = configuration.dtype(model_dir)
         for name, sampled in rollouts.items():
-            model = trainer_model(configuration.dtype(model_dir), updated=name == "sharedPrefix")
+            updated = name == "sharedPrefix"
             top_p = workload.top_p if name == "topP" else 1.0
-            with torch.no_grad():
-                policy = Policy(model, fp32_head=configuration.fp32_head)
-                recomputed, _, _ = token_logprobs(policy, sampled, workload.temperature, top_p=top_p)
-            trainer = [v for row, r in enumerate(sampled) for v in recomputed[row, : len(r.completion)].tolist()]
+            weights: str | Weights = "updated" if updated else "base"
+            if first is not None:
+                weights = second if updated else first
+            trainer = recompute(trainer_model(dtype, weights, configuration.lora), configuration, sampled, top_p)
             engine = [v for r in sampled for v in r.logprobs]
             measurement.workloads[name] = compare(engine, trainer, workload.epsilon, workload.cap)
+            if first is not None:
+                base = recompute(trainer_model(dtype, "base"), configuration, sampled, top_p)
+                measurement.adapter_effect[name] = _effect(base, trainer)
         logger.info("[%d/%d] %s: %s", number, len(configurations), configuration.name, _summary(measurement))
         results.append(measurement)
     return results
 
 
+def _effect(base: Sequence[float], adapted: Sequence[float]) -> dict[str, float]:
+    """Mean and max |Δlogprob| of the same tokens with and without the adapter, where both are finite (a token
+    outside either's top-p set is left out)."""
+    without, with_adapter = torch.tensor(base, dtype=torch.float64), torch.tensor(adapted, dtype=torch.float64)
+    both = without.isfinite() & with_adapter.isfinite()
+    delta = (with_adapter - without)[both].abs()
+    return {"meanAbsDiff": float(delta.mean()), "maxAbsDiff": float(delta.max())}
+
+
 def _summary(measurement: Measurement) -> str:
     batch, shared = measurement.workloads["batch"], measurement.workloads["sharedPrefix"]
+    effect = measurement.adapter_effect.get("batch")
     return (
         f"mean |Δlogprob| {batch['meanAbsDiff']:.2e}, clip {batch['clipFraction']:.3f}; after an update with a "
         f"shared prefix {shared['meanAbsDiff']:.2e} (max {shared['maxAbsDiff']:.2f})"
+    ) + (
+        f"; the adapter moves the trainer's logprobs from the base model's by {effect['meanAbsDiff']:.2e} "
+        f"(max {effect['maxAbsDiff']:.2f})"
+        if effect
+        else ""
     )
 
 
@@ -415,6 +539,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def job_configuration(config: PodConfig) -> Configuration:
+    """What a job runs, as a Configuration: its vLLM settings, its trainer's head, its weight-update semantics
+    and, for a LoRA job (spec.trainer.lora), its adapter's settings, so that the preflight measures vLLM's LoRA
+    kernels against PEFT under them."""
+    lora = config.training.lora
+    return Configuration(
+        f"the job's effective configuration (ParityPolicy {config.policy!r})"
+        + (f", LoRA r{lora.rank}" if lora is not None else ""),
+        config.vllm,
+        config.trainer.lm_head_dtype is DType.FLOAT32,
+        config.weight_update,
+        lora=lora,
+    )
+
+
 def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> int:
     """Measure the job's effective configuration and write a PreflightResult on this pod (with the engine
     arguments the settings were applied as); exit 1, naming them, when this vLLM cannot honour the settings."""
@@ -427,12 +566,7 @@ def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> in
             f"--preflight: {environment.CONFIG} is not set; the preflight checks the configuration the operator "
             "mounts in an RLJob's preflight pod: run it there, or run the parity check without --preflight"
         )
-    configuration = Configuration(
-        f"the job's effective configuration (ParityPolicy {config.policy!r})",
-        config.vllm,
-        config.trainer.lm_head_dtype is DType.FLOAT32,
-        config.weight_update,
-    )
+    configuration = job_configuration(config)
     try:
         applied = applied_settings(configuration.vllm)
     except UnsupportedSetting as refused:

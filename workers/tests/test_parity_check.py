@@ -1,5 +1,7 @@
 """`lockstep parity-check` on a tiny peaky bf16 Llama shows each of the four fixes, the stale-KV trap and
-what is left for truncated importance sampling; the locked configuration comes out closest."""
+what is left for truncated importance sampling; the locked configuration comes out closest. With a LoRA adapter
+(a LoRA job), vLLM's LoRA kernels stay within the default budget of PEFT's forward, and the preflight measures a
+LoRA job with its adapter."""
 
 from __future__ import annotations
 
@@ -8,12 +10,119 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+from lockstep import environment
+from lockstep.api import DType, LoraSettings, MismatchBudget, VllmSettings
+from lockstep.parity import default_policy
+from lockstep.podconfig import PodConfig
+from lockstep_workers import parity_check
+from lockstep_workers.parity_check import Configuration, Measurement, Workload, configurations, job_configuration
 
 
+def pod_config(lora: LoraSettings | None) -> PodConfig:
+    """A job's PodConfig under the default policy, a LoRA job's with ``lora``."""
+    policy = default_policy().spec
+    return PodConfig.model_validate(
+        {
+            "fingerprint": "0" * 64,
+            "policy": "default",
+            "model": {"uri": "/models/tiny"},
+            "vllm": policy.vllm.model_dump(mode="json", by_alias=True, exclude_none=True),
+            "trainer": {"lmHeadDtype": policy.trainer.lm_head_dtype.value},
+            "weightUpdate": policy.weight_update.model_dump(mode="json", by_alias=True),
+            "mismatchBudget": {},
+            "training": {
+                "reward": "lockstep_workers.rewards:target_words",
+                **({"lora": lora.model_dump(mode="json", by_alias=True)} if lora else {}),
+            },
+        }
+    )
+
+
+def test_the_parity_check_lists_the_locked_policy_with_a_rank_16_lora_adapter() -> None:
+    listed = configurations(default_policy(), VllmSettings(dtype=DType.BFLOAT16))
+    [with_lora] = [c for c in listed if c.lora is not None]
+    locked = next(c for c in listed if c.name.startswith("locked (") and c.lora is None)
+    assert with_lora.name == f"{locked.name} + LoRA r16" and with_lora.lora == LoraSettings(rank=16)
+    assert with_lora.lora.target_modules is None, "the default target modules: every linear module of the layers"
+    assert (with_lora.vllm, with_lora.fp32_head, with_lora.update) == (locked.vllm, locked.fp32_head, locked.update)
+
+
+def test_a_lora_jobs_configuration_carries_its_adapter_settings() -> None:
+    lora = LoraSettings(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    assert job_configuration(pod_config(lora)).lora == lora
+    assert job_configuration(pod_config(None)).lora is None
+
+
+def test_the_preflight_of_a_lora_job_measures_with_its_adapter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lora = LoraSettings(rank=32)
+    (tmp_path / "config.json").write_text(pod_config(lora).text())
+    measured: list[Configuration] = []
+    patched: list[dict[str, Any]] = []
+
+    def measure(chosen: list[Configuration], *_: Any) -> list[Measurement]:
+        measured.extend(chosen)
+        metrics = {"meanAbsDiff": 0.01, "clipFraction": 0.0, "outsideTopP": 0.0, "tokens": 10.0, "maxAbsDiff": 0.1}
+        return [Measurement(chosen[0], {name: metrics for name in ("batch", "topP", "sharedPrefix")})]
+
+    class Pods:
+        def patch_namespaced_pod(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+            patched.append(body)
+
+    monkeypatch.setattr(parity_check, "measure", measure)
+    monkeypatch.setattr("lockstep_workers.agent.pod_api", Pods)
+    environ = {
+        environment.CONFIG: str(tmp_path / "config.json"),
+        environment.POD_NAME: "demo-preflight-0",
+        environment.POD_NAMESPACE: "team-a",
+    }
+    assert parity_check.preflight(tmp_path / "model", Workload(), environ) == 0
+    [configuration] = measured
+    assert configuration.lora == lora and "LoRA r32" in configuration.name
+    assert len(patched) == 1
+
+
+def test_a_random_adapter_is_non_zero_on_every_linear_module_of_the_layers(tmp_path: Path) -> None:
+    import json
+
+    from lockstep_workers.lora import ADAPTER_CONFIG_METADATA
+    from lockstep_workers.tiny_model import create_tiny_llama
+
+    model = create_tiny_llama(tmp_path / "model")
+    tensors, metadata = parity_check.random_adapter(model, LoraSettings(), seed=1)
+    config = json.loads(metadata[ADAPTER_CONFIG_METADATA])
+    modules = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["target_modules"] == modules and config["r"] == 16
+    assert len(tensors) == 2 * 2 * len(modules), "lora_A and lora_B of each module of the 2 layers"
+    assert all(t.abs().max() > 0 for t in tensors.values()), "lora_B is not PEFT's zeros: the adapter acts"
+    again, _ = parity_check.random_adapter(model, LoraSettings(), seed=1)
+    assert all(again[n].equal(t) for n, t in tensors.items()), "seeded"
+
+
+@pytest.mark.vllm
+def test_vllms_lora_kernels_stay_within_the_default_budget_of_peft(tmp_path: Path) -> None:
+    """The locked policy with a rank-16 adapter on the peaky bf16 tiny model: batch and topP under adapter 1,
+    the shared prefix after an in-flight update to adapter 2; the adapters move the trainer's logprobs far more
+    than vLLM's are from them."""
+    from lockstep_workers.tiny_model import create_tiny_llama
+
+    model = create_tiny_llama(tmp_path / "model", dtype="bfloat16", head_scale=parity_check.PEAKY_HEAD_SCALE)
+    engine = VllmSettings(dtype=DType.BFLOAT16, enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.15)
+    [configuration] = [c for c in configurations(default_policy(), engine) if c.lora is not None]
+    [measurement] = parity_check.measure([configuration], model, tmp_path, Workload())  # the documented row's
+    budget = MismatchBudget().mean_abs_logprob_diff
+    for name in ("batch", "topP", "sharedPrefix"):
+        mismatch, effect = measurement.workloads[name], measurement.adapter_effect[name]
+        print(f"{name}: vLLM vs PEFT {mismatch['meanAbsDiff']:.2e}, adapter vs base {effect['meanAbsDiff']:.2e}")
+        assert mismatch["tokens"] > 0 and mismatch["meanAbsDiff"] < budget, (name, mismatch)
+        assert effect["meanAbsDiff"] > 10 * mismatch["meanAbsDiff"], ("the adapter changes the logprobs", name, effect)
+    assert measurement.document()["lora"]["rank"] == 16
+
+
+@pytest.mark.vllm
 def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(tmp_path: Path) -> None:
     run = subprocess.run(
         [str(Path(sys.executable).with_name("lockstep")), "parity-check", "--out", str(tmp_path), "--prompts", "6"],
@@ -41,7 +150,7 @@ def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(t
         "with prefix caching on and clear_cache=False, requests after an update reuse KV from the old weights"
     )
 
-    same_dtype = [name for name in results if not name.endswith("fp32 model")]
+    same_dtype = [name for name in results if not name.endswith("fp32 model") and results[name]["lora"] is None]
     closest = min(batch[name]["meanAbsDiff"] for name in same_dtype)
     # "+ fp32 lm_head" has the same settings as the default policy: a tie, up to run-to-run noise.
     assert batch[locked]["meanAbsDiff"] <= closest * 1.001, "the locked configuration is the closest to the trainer"
