@@ -17,11 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as load_shards
 from torch.distributed.checkpoint.state_dict_saver import save as save_shards
 
 COMPLETE = ".metadata"
+TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""A LoRA job's checkpoint: the trainable parameters (the adapter) and their optimizer state; the frozen base is the
+model's own, loaded from its path again. Not strict, since the base's parameters are not in it (every adapter
+parameter is: a checkpoint without one fails to load)."""
 
 
 def checkpoints_directory(shared_dir: Path) -> Path:
@@ -54,9 +58,12 @@ def save(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     keep: int,
+    *,
+    trainable_only: bool = False,
 ) -> Path:
-    """Save the state after ``step`` (every rank calls it: a collective) and remove all but the ``keep`` newest."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    """Save the state after ``step`` (every rank calls it: a collective) and remove all but the ``keep`` newest.
+    ``trainable_only``: of the model, only the parameters that train (TRAINABLE)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(trainable_only))
     path = step_path(directory, step)
     state = {"model": model_state, "optimizer": optimizer_state, "trainer": {"step": step, "rng": _rng_states(device)}}
     save_shards(state, checkpoint_id=path)
@@ -67,17 +74,31 @@ def save(
     return path
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+def load(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    trainable_only: bool = False,
+) -> int:
     """Load the checkpoint at ``path`` into the shards of ``model`` and ``optimizer`` and this process's RNGs
-    (every rank calls it: a collective); return its step."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    (every rank calls it: a collective); return its step. ``trainable_only``: as ``save`` saved it."""
+    options = _options(trainable_only)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     rng = {name: state for name, state in _rng_states(device).items() if f"trainer.rng.{name}" in saved}
     trainer: dict[str, Any] = {"step": 0, "rng": rng}
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "trainer": trainer}
     load_shards(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
     torch.set_rng_state(trainer["rng"]["cpu"])
     if "cuda" in trainer["rng"]:
         torch.cuda.set_rng_state(trainer["rng"]["cuda"], device)
     return int(trainer["step"])
+
+
+def _options(trainable_only: bool) -> StateDictOptions | None:
+    return TRAINABLE if trainable_only else None

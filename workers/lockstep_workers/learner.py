@@ -10,7 +10,7 @@ tensor is made on the policy's device; collectives carry only tensors on it (CUD
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,28 +57,66 @@ def top_p_masked(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
 
 
+HeadAdapter = tuple[torch.Tensor, torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor]]
+"""A LoRA adapter on the lm_head (spec.trainer.lora.trainLmHead): its A [r, hidden] and B [vocabulary, r]
+weights, its scaling (alpha / r) and its dropout."""
+
+
+def head_adapter(lm_head: torch.nn.Module) -> HeadAdapter | None:
+    """The active LoRA adapter on ``lm_head`` (PEFT's LoRA layer around the head: its ``weight`` is the base's
+    alone), or None for a plain head or one whose adapter is merged or disabled."""
+    if not hasattr(lm_head, "lora_A") or getattr(lm_head, "merged", False) or getattr(lm_head, "disable_adapters", 0):
+        return None
+    active: Any = lm_head
+    adapters = [name for name in active.active_adapters if name in active.lora_A]
+    if len(adapters) != 1:
+        raise ValueError(f"the lm_head has {len(adapters)} active LoRA adapters; the trainer computes with one")
+    (name,) = adapters
+    return active.lora_A[name].weight, active.lora_B[name].weight, active.scaling[name], active.lora_dropout[name]
+
+
 def _log_softmax(
-    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, top_p: float, fp32_head: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    fp32_head: bool,
+    adapter: HeadAdapter | None = None,
 ) -> torch.Tensor:
-    """[tokens, vocabulary] log-probabilities after the sampler's transform, from the final hidden states."""
-    logits = F.linear(hidden.float(), weight.float()) if fp32_head else F.linear(hidden, weight).float()
-    logits = logits / temperature
+    """[tokens, vocabulary] log-probabilities after the sampler's transform, from the final hidden states; with a
+    LoRA ``adapter`` on the head, its term is added to the logits in the head's dtype, as PEFT's LoRA layer adds it."""
+    if fp32_head:
+        hidden, weight = hidden.float(), weight.float()
+    logits = F.linear(hidden, weight)
+    if adapter is not None:
+        lora_a, lora_b, scaling, dropout = adapter
+        if fp32_head:
+            lora_a, lora_b = lora_a.float(), lora_b.float()
+        logits = logits + F.linear(F.linear(dropout(hidden), lora_a), lora_b) * scaling
+    logits = logits.float() / temperature
     if top_p < 1:
         logits = top_p_masked(logits, top_p)
     return logits.log_softmax(dim=-1)
 
 
 def _sampled(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float, fp32_head: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    fp32_head: bool,
+    adapter: HeadAdapter | None = None,
 ) -> torch.Tensor:
-    return _log_softmax(hidden, weight, temperature, top_p, fp32_head).gather(1, targets[:, None])[:, 0]
+    return _log_softmax(hidden, weight, temperature, top_p, fp32_head, adapter).gather(1, targets[:, None])[:, 0]
 
 
 class Policy(torch.nn.Module):
     """A Hugging Face causal LM (``causal_lm``) that scores sampled tokens: ``forward`` returns the log-probability
     of each target token after the sampler's transform (temperature, then top-p), and optionally the entropy there,
     computing the head and the log-softmax only at the completion positions and a slice at a time. The final
-    projection runs in fp32 when ``fp32_head`` (the ParityPolicy's trainer.lmHeadDtype), as the rollout engine's.
+    projection runs in fp32 when ``fp32_head`` (the ParityPolicy's trainer.lmHeadDtype), as the rollout engine's;
+    a LoRA adapter on the head (spec.trainer.lora.trainLmHead) computes in the head's dtype too.
 
     Sharded, this module is the root FSDP unit: its own parameters (embeddings, lm_head) are gathered in its forward.
     """
@@ -104,15 +142,16 @@ class Policy(torch.nn.Module):
         predict ``targets``. Returns the targets' logprobs [targets] and, ``with_entropy``, the entropies there."""
         hidden = self.causal_lm.model(input_ids=ids, attention_mask=attention).last_hidden_state
         hidden = hidden.flatten(0, 1)[positions]
-        weight = self.causal_lm.lm_head.weight
+        weight = self.causal_lm.lm_head.weight  # a LoRA layer's: its base layer's
+        adapter = head_adapter(self.causal_lm.lm_head)
         logprobs, entropies = [], []
         for start in range(0, len(targets), HEAD_CHUNK_TOKENS):
             part, chosen = hidden[start : start + HEAD_CHUNK_TOKENS], targets[start : start + HEAD_CHUNK_TOKENS]
             if torch.is_grad_enabled() and not with_entropy:
-                arguments = (part, weight, chosen, temperature, top_p, self.fp32_head)
+                arguments = (part, weight, chosen, temperature, top_p, self.fp32_head, adapter)
                 logprobs.append(checkpoint(_sampled, *arguments, use_reentrant=False))
                 continue
-            scores = _log_softmax(part, weight, temperature, top_p, self.fp32_head)
+            scores = _log_softmax(part, weight, temperature, top_p, self.fp32_head, adapter)
             logprobs.append(scores.gather(1, chosen[:, None])[:, 0])
             if with_entropy:
                 entropies.append(-(scores.exp() * scores.nan_to_num(neginf=0.0)).sum(dim=-1))

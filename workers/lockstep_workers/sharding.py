@@ -69,15 +69,20 @@ def shard(
     return policy
 
 
-def full_state_dict(causal_lm: torch.nn.Module) -> dict[str, torch.Tensor]:
+TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+"""As FULL, of the trainable parameters alone (a LoRA adapter's; no buffers)."""
+
+
+def full_state_dict(causal_lm: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The whole model in its checkpoint's (Hugging Face) names, on rank 0 in CPU memory (empty on the other ranks;
     a collective): tied weights once, under the first name that uses them, as Hugging Face writes checkpoints.
+    ``trainable_only``: only the parameters that train (a LoRA adapter: only its tensors are gathered).
     The tensors are a snapshot: no later optimizer step changes them (on one CPU rank the gathered tensors are the
     live parameters themselves, so those are copied)."""
     aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)}
     aliases -= {name for name, _ in causal_lm.named_parameters()}
     live = {_local(t).untyped_storage().data_ptr() for t in (*causal_lm.parameters(), *causal_lm.buffers())}
-    gathered = get_model_state_dict(causal_lm, options=FULL)
+    gathered = get_model_state_dict(causal_lm, options=TRAINABLE if trainable_only else FULL)
     return {
         name: t.clone() if t.untyped_storage().data_ptr() in live else t
         for name, t in gathered.items()

@@ -25,13 +25,14 @@ import argparse
 import faulthandler
 import functools
 import inspect
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,9 @@ from prometheus_client import start_http_server
 
 from lockstep import environment
 from lockstep.api import BudgetMetric, DType, MismatchBudget, TrainerNumerics, Training
+from lockstep.podconfig import PodConfig
 from lockstep.protocol import EvalResult, Mismatch, Weights
-from lockstep_workers import checkpoint, sharding
+from lockstep_workers import checkpoint, lora, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
 from lockstep_workers.episodes import RolloutFunction, single_turn
 from lockstep_workers.learner import Policy, Rollout, across_ranks, lag_of, learn
@@ -69,6 +71,9 @@ from lockstep_workers.weights import (
     verified_path,
     version_path,
 )
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -137,23 +142,116 @@ def resumption(committed: Weights | None, weights_dir: Path, checkpoints_dir: Pa
     return Resumption(newest + 1, None if saved == newest else path, saved, again)
 
 
-def restore(env: PodEnvironment, causal_lm: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Resumption:
-    """Every rank: load what rank 0 decided to resume from into the shards; return that decision."""
+@dataclass(frozen=True)
+class TrainedModel:
+    """The trainer's model on this rank: the causal LM (fp32 master weights; in a LoRA job its base frozen, with the
+    adapter injected), sharded as a Policy, the optimizer of the parameters that train, and the adapter's PEFT
+    config (None: every weight trains)."""
+
+    causal_lm: Any  # a Hugging Face model (untyped)
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    adapter: LoraConfig | None = None
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """What a version publishes, gathered from the shards onto rank 0 (a collective; empty on the other ranks):
+        the whole model in its checkpoint's names, or the adapter alone under PEFT's file names (lockstep_workers.lora).
+        """
+        if self.adapter is None:
+            return sharding.full_state_dict(self.causal_lm)
+        return lora.file_names(sharding.full_state_dict(self.causal_lm, trainable_only=True))
+
+    def metadata(self) -> dict[str, str] | None:
+        """The header metadata of a version: a LoRA adapter's config, none for full weights."""
+        return None if self.adapter is None else lora.adapter_metadata(self.adapter)
+
+    def trainable(self) -> set[str]:
+        """The names of the parameters that train (in the causal LM)."""
+        return {name for name, parameter in self.causal_lm.named_parameters() if parameter.requires_grad}
+
+
+def build(model_path: str, settings: Training, config: PodConfig | None, mesh: Any) -> TrainedModel:
+    """Every rank: the model at ``model_path`` in fp32, with spec.trainer.lora's adapter injected (PEFT) when set,
+    sharded over ``mesh`` (lockstep_workers.sharding) with the job's numerics (``config``; outside an RLJob's pod the
+    policy defaults, in the checkpoint's dtype), and an Adam optimizer of the parameters that train. A LoRA setting
+    that does not fit the model stops the trainer (SystemExit) with the reason."""
+    from transformers import AutoModelForCausalLM
+
+    numerics = config.trainer if config is not None else TrainerNumerics()
+    causal_lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
+    adapter = None
+    if settings.lora is not None:
+        try:
+            adapter = lora.adapter_config(settings.lora, causal_lm)
+        except lora.LoraSettingsError as error:
+            raise SystemExit(str(error)) from error
+        lora.inject(causal_lm, adapter)
+    policy = sharding.shard(
+        causal_lm,
+        mesh,
+        compute_dtype=compute_dtype(config.model.dtype if config is not None else DType.AUTO, model_path),
+        fp32_head=numerics.lm_head_dtype is DType.FLOAT32,
+        activation_checkpointing=settings.activation_checkpointing,
+    )
+    trains = [parameter for parameter in policy.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.Adam(trains, lr=settings.objective.learning_rate)
+    return TrainedModel(causal_lm, policy, optimizer, adapter)
+
+
+def restore(env: PodEnvironment, model: TrainedModel) -> Resumption:
+    """Every rank: load what rank 0 decided to resume from into the shards; return that decision. A LoRA job loads
+    a published version into its adapter (the base stays the model's own), and its checkpoints hold the adapter
+    and its optimizer state alone."""
     device = sharding.accelerator(env.local_rank)
     decided: list[Any] = [None]
     if env.rank == 0:
-        decided = [resumption(committed_weights(env), env.weights_dir, env.checkpoints_dir)]
+        try:
+            decided = [resumption(committed_weights(env), env.weights_dir, env.checkpoints_dir)]
+            if model.adapter is not None and decided[0].first_step > 1:
+                _check_adapter(version_path(env.weights_dir, decided[0].first_step - 1), model.adapter)
+        except SystemExit as stop:  # every rank stops with it, rather than wait for rank 0
+            decided = [stop]
     dist.broadcast_object_list(decided, src=0, device=device)
+    if isinstance(decided[0], SystemExit):
+        raise decided[0]
     resumed: Resumption = decided[0]
+    adapter_only = model.adapter is not None
     if resumed.checkpoint is not None:
-        checkpoint.load(checkpoint.step_path(env.checkpoints_dir, resumed.checkpoint), causal_lm, optimizer, device)
+        path = checkpoint.step_path(env.checkpoints_dir, resumed.checkpoint)
+        checkpoint.load(path, model.causal_lm, model.optimizer, device, trainable_only=adapter_only)
     if resumed.weights is not None:
         whole = dict(tensors(resumed.weights)) if env.rank == 0 else {}
-        unexpected = set(whole) - set(causal_lm.state_dict())
+        if adapter_only and env.rank == 0:
+            try:
+                whole = lora.live_names(whole)
+            except ValueError as error:
+                raise ValueError(f"the published weights {resumed.weights} are not a LoRA adapter: {error}") from error
+            if set(whole) != model.trainable():
+                differ = sorted(set(whole) ^ model.trainable())
+                raise ValueError(f"the published adapter {resumed.weights} does not fit this model's: {differ[:5]}")
+        unexpected = set(whole) - set(model.causal_lm.state_dict())
         if unexpected:
             raise ValueError(f"the published weights {resumed.weights} do not fit this model: {sorted(unexpected)[:5]}")
-        sharding.load_full_state_dict(causal_lm, whole)
+        sharding.load_full_state_dict(model.causal_lm, whole)
     return resumed
+
+
+def _check_adapter(path: Path, adapter: LoraConfig) -> None:
+    """Stop (SystemExit) unless the version at ``path`` was trained with the adapter that ``adapter`` describes."""
+    try:
+        published_config = lora.adapter_config_of(path)
+    except ValueError as error:
+        raise SystemExit(f"cannot resume this LoRA job: {error}") from error
+    ours = json.loads(lora.config_json(adapter))
+    fields = ("r", "lora_alpha", "target_modules", "bias", "use_dora", "use_rslora")
+    changed = {name: (published_config.get(name), ours.get(name)) for name in fields}
+    changed = {name: values for name, values in changed.items() if values[0] != values[1]}
+    if changed:
+        listed = ", ".join(f"{name} {was!r} -> {now!r}" for name, (was, now) in changed.items())
+        raise SystemExit(
+            f"cannot resume this LoRA job: spec.trainer.lora changed since {path.name} was published ({listed}); "
+            "an adapter cannot be resumed with another shape: restore the settings, or start a new job"
+        )
 
 
 def compute_dtype(dtype: DType, model_path: str) -> torch.dtype:
@@ -281,6 +379,11 @@ def train(model_path: str, settings: Training, env: PodEnvironment, actors: Acto
             f"{environment.SHARED_DIR} is not set: the operator sets it to the directory for the job's weights and "
             "metrics; run the trainer as the operator renders it"
         )
+    if settings.lora is not None and env.weight_sync.collective:
+        raise SystemExit(
+            f"spec.trainer.lora needs spec.weightSync.backend filesystem, not {env.weight_sync.value}: each version "
+            "is a LoRA adapter published as a file, which the collective backends do not send"
+        )
     if env.rank != 0:
         _train(model_path, settings, env, actors, None)
         return
@@ -292,8 +395,6 @@ def train(model_path: str, settings: Training, env: PodEnvironment, actors: Acto
 
 def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Actors, scorer: Scorer | None) -> None:
     """``train`` on one rank; rank 0 scores with ``scorer``."""
-    from transformers import AutoModelForCausalLM
-
     leader = scorer is not None
     prompts = Prompts(settings, model_path) if leader else None
 
@@ -302,18 +403,9 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     mesh = sharding.start(env.rank, env.world_size, device)
     torch.manual_seed(settings.seed)
     config = env.config  # outside an RLJob's pod: the policy defaults, in the checkpoint's dtype
-    numerics = config.trainer if config is not None else TrainerNumerics()
     budget = (config.mismatch_budget if config is not None else MismatchBudget()).mean_abs_logprob_diff
-    causal_lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
-    policy = sharding.shard(
-        causal_lm,
-        mesh,
-        compute_dtype=compute_dtype(config.model.dtype if config is not None else DType.AUTO, model_path),
-        fp32_head=numerics.lm_head_dtype is DType.FLOAT32,
-        activation_checkpointing=settings.activation_checkpointing,
-    )
-    optimizer = torch.optim.Adam(policy.parameters(), lr=settings.objective.learning_rate)
-    resumed = restore(env, causal_lm, optimizer)
+    model = build(model_path, settings, config, mesh)
+    resumed = restore(env, model)
     rollout = settings.rollout
     sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
 
@@ -339,7 +431,7 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)
         producer.start()
     try:
-        _steps(settings, env, resumed.first_step, producer, prompts, scorer, policy, optimizer, causal_lm, budget)
+        _steps(settings, env, resumed.first_step, producer, prompts, scorer, model, budget)
     finally:
         if producer is not None:
             producer.close()
@@ -357,9 +449,7 @@ def _steps(
     producer: RolloutProducer | None,
     prompts: Prompts | None,
     scorer: Scorer | None,
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    causal_lm: torch.nn.Module,
+    model: TrainedModel,
     budget: float,
 ) -> None:
     """The steps from ``first_step``, on every rank; rank 0 (with the ``producer``) takes, publishes, records."""
@@ -405,8 +495,8 @@ def _steps(
         # Learn: minibatches of micro-batches; FSDP reduces the gradients, and the metrics are combined here.
         learning = time.monotonic()
         metrics = learn(
-            policy,
-            optimizer,
+            model.policy,
+            model.optimizer,
             [everything[n] for n in mine],
             [rewards[n] for n in mine],
             settings.objective,
@@ -425,7 +515,7 @@ def _steps(
         # the step in the background while the next step runs. Checkpoint the shards when due, once this version is
         # on disk, so that no checkpoint is newer than the newest published version.
         gathering = time.monotonic()
-        whole = sharding.full_state_dict(causal_lm)
+        whole = model.gathered()
         gathered = time.monotonic() - gathering
         if publisher is not None and producer is not None:
             waited += publisher.wait()
@@ -444,14 +534,24 @@ def _steps(
                     busy_fraction(before, busy, interval),
                 )
             )
-            work = functools.partial(_publish_and_announce, env, settings, step, whole, metrics, seconds, budget)
+            work = functools.partial(
+                _publish_and_announce, env, settings, step, whole, model.metadata(), metrics, seconds, budget
+            )
             publisher.start(step, work)
             waited = 0.0
         del whole
         if settings.checkpoint_every_steps and step % settings.checkpoint_every_steps == 0:
             if publisher is not None:
                 waited += publisher.wait()
-            checkpoint.save(env.checkpoints_dir, step, causal_lm, optimizer, device, settings.checkpoints_kept)
+            checkpoint.save(
+                env.checkpoints_dir,
+                step,
+                model.causal_lm,
+                model.optimizer,
+                device,
+                settings.checkpoints_kept,
+                trainable_only=model.adapter is not None,
+            )
     if publisher is not None:
         publisher.wait()
 
@@ -461,15 +561,16 @@ def _publish_and_announce(
     settings: Training,
     step: int,
     whole: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None,
     metrics: dict[str, float],
     seconds: float,
     budget: float,
 ) -> None:
-    """Rank 0, in the background: publish ``whole`` as version ``step``, announce it and the step's mismatch on the
-    pod, record the step (``seconds``: its time on the trainer's path), log it."""
+    """Rank 0, in the background: publish ``whole`` (its header carrying ``metadata``) as version ``step``, announce
+    it and the step's mismatch on the pod, record the step (``seconds``: its time on the trainer's path), log it."""
     publishing = time.monotonic()
     # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
-    weights = publish(whole, env.weights_dir, version=step, keep=max(3, settings.max_lag + 2))
+    weights = publish(whole, env.weights_dir, version=step, keep=max(3, settings.max_lag + 2), metadata=metadata)
     metrics = {**metrics, "publish_seconds": time.monotonic() - publishing}
     if env.pod and env.namespace:
         mismatch = Mismatch(

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lockstep.api import Dataset, Evaluation, Objective, RolloutCorrection, Training
+from lockstep.api import Dataset, Evaluation, LoraSettings, Objective, RolloutCorrection, Training
 from lockstep_workers import learner
 from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
 from lockstep_workers.objective import Statistics
@@ -679,3 +679,74 @@ def test_max_lag_0_learns_the_first_step_with_the_gradients_of_the_serial_loop(t
     torch.testing.assert_close(
         torch.tensor(json.loads(found.read_text())), torch.tensor(expected), rtol=1e-5, atol=1e-6
     )  # atol: a gradient's sum near 0 moves by rounding (the objective now sums in float64)
+
+
+LORA = SETTINGS.model_copy(update={"lora": LoraSettings(rank=4, alpha=8)})
+"""A LoRA job: an adapter of rank 4 on every linear module of the decoder layers."""
+
+
+def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of_ranks(tmp_path: Path) -> None:
+    """spec.trainer.lora: each version is the adapter alone, under PEFT's file names with its config in the header;
+    2 ranks train as 1 does; stopped after step 2 and resumed on 1 rank from the checkpoint (the adapter and its
+    optimizer state alone), it goes on as if never stopped; resumed from the published version 2 alone (no
+    checkpoints), step 3 starts from that adapter (the entropy, measured before the step's first optimizer step, is
+    that of the adapter that never stopped). Resuming with another adapter shape is refused."""
+    from safetensors import safe_open
+
+    from lockstep_workers import lora
+    from lockstep_workers.trainer import _check_adapter
+    from lockstep_workers.weights import version_path, weights_directory
+
+    model = create_tiny_llama(tmp_path / "model")
+    straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=LORA)
+    first = run_trainer(2, model, tmp_path / "resumed", steps=2, settings=LORA)
+    resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=LORA)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for mine, theirs in zip(first + resumed[2:], straight, strict=True):
+        for name in ("loss", "reward", "kl_new_old", "entropy"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+
+    modules = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    expected = {
+        f"base_model.model.model.layers.{layer}.{part}.{module}.{weight}.weight"
+        for layer in range(2)
+        for part, names in modules.items()
+        for module in names
+        for weight in ("lora_A", "lora_B")
+    }
+    adapter = published(tmp_path / "straight", 4)
+    assert set(adapter) == expected, "the adapter alone, under PEFT's file names"
+    assert_same_weights(published(tmp_path / "resumed", 4), adapter)
+    assert all(not torch.equal(t, published(tmp_path / "straight", 1)[n]) for n, t in adapter.items()), "it learns"
+    path = version_path(weights_directory(tmp_path / "straight"), 4)
+    with safe_open(str(path), framework="pt") as opened:
+        assert opened.metadata()["format"] == "pt"
+    config = lora.adapter_config_of(path)
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (
+        4,
+        8,
+        sorted(modules["self_attn"] + modules["mlp"]),
+    )
+
+    saved, found = checkpointed(tmp_path / "straight", 4), checkpointed(tmp_path / "resumed", 4)
+    adapter_names = {lora.live_name(name) for name in expected}
+    assert set(saved["model"]) == adapter_names, "a LoRA checkpoint holds the adapter, not the base"
+    moments = saved["optimizer"]["state"]
+    assert set(moments) == adapter_names == set(found["optimizer"]["state"])
+    for name, state in moments.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(found["optimizer"]["state"][name][key], state[key], rtol=1e-4, atol=1e-7)
+
+    unchecked = LORA.model_copy(update={"checkpoint_every_steps": 0})
+    run_trainer(2, model, tmp_path / "published", steps=2, settings=unchecked)
+    assert not (tmp_path / "published" / "checkpoints").exists() or not any(
+        (tmp_path / "published" / "checkpoints").iterdir()
+    )
+    from_version = run_trainer(1, model, tmp_path / "published", steps=3, settings=unchecked)
+    assert from_version[2]["step"] == 3
+    assert from_version[2]["entropy"] == pytest.approx(straight[2]["entropy"], rel=1e-5), "the adapter of version 2"
+    assert from_version[2]["entropy"] != pytest.approx(straight[0]["entropy"], rel=1e-5), "not the base's"
+
+    wider = lora.adapter_config(LoraSettings(rank=8, alpha=8), tiny(tmp_path / "model"))
+    with pytest.raises(SystemExit, match=r"spec\.trainer\.lora changed since v000004\.safetensors was published \(r 4"):
+        _check_adapter(path, wider)
