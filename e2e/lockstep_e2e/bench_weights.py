@@ -1,8 +1,8 @@
 """Benchmark: weight updates at real model sizes, on random Llama-shaped state dicts (fp32, made in memory).
 
-``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts ...]``
-(``make bench-weights``; the parts: publish, actor, gloo). Each part measures one share of an update and prints its
-table; all write out/benchmarks/weights.json.
+``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts ...]
+[--memory-sizes 0.5]`` (``make bench-weights``; the parts: publish, actor, gloo, lora, memory). Each part measures one
+share of an update and prints its table; all write out/benchmarks/weights.json.
 
 **publish**, the trainer's share: each of ``repeats`` steps computes for ``step-seconds`` (matrix products, the
 stand-in for a learning step), then gathers the weights (the stand-in: a copy of the state dict, which is what
@@ -31,6 +31,19 @@ and its parts. Beside them, while generation is paused, the floor (an in-memory 
 vLLM's own reload from tensors its worker already holds (``bench_reloader``); and tokens/s over the staging
 windows against tokens/s over the idle windows before each update.
 
+**lora**, LoRA versions (spec.trainer.lora's defaults: rank 16, every linear module of the decoder layers) on the
+same base models, over the filesystem transport: the real ``Actor(lora=...)`` (vLLM's LoRA adapters, maxLag
+``LORA_MAX_LAG``) while ``GENERATING`` requests keep generating, each on the adapter served when it started. Each of
+``repeats`` versions is a random adapter made as the trainer publishes one (``lora_adapter``), updated to by the
+barrier as a pod's agent carries it out: stage (read and verify), pause (a no-op), load (``add_lora`` from the
+verified copy), resume (new requests take the new adapter). For each: the bytes a version moves against the full
+weights', announcement → serving and its parts, the actor's own record (pauseSeconds 0, no pausedAt), tokens/s and
+the longest time with no token over the update windows against the idle ones.
+**memory**, the trainer's share: one ``learner.learn`` step on the model as ``trainer.build`` makes it (fp32, sharded
+on 1 rank over gloo, Adam over the parameters that train; for LoRA the adapter injected by ``lora.inject``, the base
+frozen), full weights and LoRA, each in a fresh process, at ``--memory-sizes``: the peak resident memory
+(VmHWM) of the build and of the learn step, and the optimizer state's bytes.
+
 Not a test: nothing here asserts a time.
 """
 
@@ -39,6 +52,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
+import json
 import os
 import shutil
 import statistics
@@ -53,12 +68,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lockstep.api import WeightSyncBackend
+from lockstep.api import LoraSettings, Training, WeightSyncBackend
 from lockstep.protocol import BarrierPhase, Command, TransferGroup, Weights
 from lockstep_e2e.benchmarks import write_results
 from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
-from lockstep_workers.actor import Actor, LoopEngine, applied_settings, engine_args
+from lockstep_workers import lora
+from lockstep_workers.actor import Actor, LoopEngine, _lora_request, applied_settings, engine_args
+from lockstep_workers.adapters import LoraEngine
 from lockstep_workers.agent import AgentCore, Staged
 from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
 from lockstep_workers.transfer import ManifestServer, Sender, TrainerManifests, manifest_uri
@@ -258,10 +275,12 @@ PROMPT = [1, 10, 11, 12, 13]
 
 class Generation:
     """``GENERATING`` requests kept running on ``llm`` (each replaced when it ends); records when every token
-    arrived (wall-clock seconds), to count tokens/s over any window."""
+    arrived (wall-clock seconds), to count tokens/s over any window. With a LoRA ``actor``, each request takes the
+    adapter the actor serves when it starts and keeps it, as ``Actor.generate`` does."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, actor: Actor | None = None) -> None:
         self.llm = llm
+        self.actor = actor if actor is not None and actor.adapters is not None else None
         self.arrivals: list[float] = []
         self._tasks = [asyncio.create_task(self._keep(n)) for n in range(GENERATING)]
 
@@ -274,14 +293,32 @@ class Generation:
             temperature=0.7, max_tokens=500, ignore_eos=True, seed=seed, output_kind=RequestOutputKind.DELTA
         )
         while True:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=PROMPT), params, uuid.uuid4().hex):
-                now = time.time()
-                self.arrivals.extend([now] * len(output.outputs[0].token_ids))
+            actor = self.actor
+            adapter = actor.adapters.start() if actor is not None and actor.adapters is not None else None
+            request = _lora_request(adapter, actor.adapter_files if actor is not None else None)
+            try:
+                async for output in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=PROMPT), params, uuid.uuid4().hex, lora_request=request
+                ):
+                    now = time.time()
+                    self.arrivals.extend([now] * len(output.outputs[0].token_ids))
+            finally:
+                if actor is not None and actor.adapters is not None and adapter is not None:
+                    await actor._remove_adapters(actor.adapters.finish(adapter))
 
     def tokens(self, windows: list[tuple[float, float]]) -> float:
         """Tokens per second over ``windows`` (start, end) together."""
         count = sum(start < arrival <= end for start, end in windows for arrival in self.arrivals)
         return count / sum(end - start for start, end in windows)
+
+    def longest_gap(self, windows: list[tuple[float, float]]) -> float:
+        """The longest time with no token arriving inside any of ``windows`` (its ends count as arrivals): the
+        longest stall of generation there."""
+        gaps = []
+        for start, end in windows:
+            times = [start, *sorted(a for a in self.arrivals if start < a <= end), end]
+            gaps.append(max(later - earlier for earlier, later in itertools.pairwise(times)))
+        return max(gaps)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -383,7 +420,9 @@ class UpdateTimes:
 
     @classmethod
     def of(cls, update: dict[str, Any], announced: float) -> UpdateTimes:
-        pause_called = update["pausedAt"] - update["pauseSeconds"]
+        """A LoRA update never pauses (pausedAt None, pauseSeconds 0): its pause is 0."""
+        paused = update["pausedAt"] is not None
+        pause_called = update["pausedAt"] - update["pauseSeconds"] if paused else update["resumedAt"]
         return cls(
             announced_to_serving_s=update["resumedAt"] - announced,
             pause_s=update["resumedAt"] - pause_called,
@@ -415,6 +454,12 @@ class ActorResult:
     """Over every staging window together (after)."""
     tokens_per_s_before_staging: float
     """Over the before runs' staging windows (inside their pause)."""
+    tokens_per_s_updating: float
+    """Over every update window (after): from the announcement until resume_generation returned."""
+    longest_gap_idle_s: float
+    """The longest time with no token arriving in the idle windows."""
+    longest_gap_updating_s: float
+    """The same over the update windows (after): the stall as generation sees it (the pause, at least)."""
 
     @property
     def ratios(self) -> str:
@@ -473,6 +518,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
     after: list[UpdateTimes] = []
     floors, reads, reloads = [], [], []
     staging: list[tuple[float, float]] = []
+    updating: list[tuple[float, float]] = []
     before_staging: list[tuple[float, float]] = []
     gigabytes, version = 0.0, 0
     try:
@@ -504,6 +550,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
                 if staged_first:
                     after.append(UpdateTimes.of(actor.updates[-1], announced))
                     staging.append(engine.staging[-1])
+                    updating.append((announced, float(actor.updates[-1]["resumedAt"] or 0.0)))
                     # The floor and vLLM's reload from memory, as the swap would run: paused, the copy staged.
                     with await asyncio.to_thread(files.read, published) as verified:
                         await llm.pause_generation(mode="keep", clear_cache=False)
@@ -529,6 +576,9 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
             tokens_per_s_idle=round(generation.tokens(idle), 1),
             tokens_per_s_staging=round(generation.tokens(staging), 1),
             tokens_per_s_before_staging=round(generation.tokens(before_staging), 1),
+            tokens_per_s_updating=round(generation.tokens(updating), 1),
+            longest_gap_idle_s=_median([generation.longest_gap(idle)]),
+            longest_gap_updating_s=_median([generation.longest_gap(updating)]),
         )
     finally:
         await generation.stop()
@@ -542,17 +592,270 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
         f" vLLM read {result.vllm_read_s:.3f} s"
         f" + reload from memory {result.vllm_reload_from_memory_s:.3f} s | before: {_times(result.before)}"
         f" | after: {_times(result.after)} | tokens/s idle {result.tokens_per_s_idle}, staging"
-        f" {result.tokens_per_s_staging}, staging inside the pause {result.tokens_per_s_before_staging}"
+        f" {result.tokens_per_s_staging}, staging inside the pause {result.tokens_per_s_before_staging}, updating"
+        f" {result.tokens_per_s_updating} | longest gap idle {result.longest_gap_idle_s:.3f} s, updating"
+        f" {result.longest_gap_updating_s:.3f} s"
         f" | {result.ratios}",
         flush=True,
     )
     return result
 
 
+LORA_MAX_LAG = 1
+"""The LoRA actor's maxLag (vLLM holds maxLag + 2 adapters): older adapters go once their requests end, as in a job."""
+
+
+def full_bytes(gigabytes: float) -> int:
+    """The bytes of ``llama_state_dict(gigabytes)`` (what a full-weights version moves), without making it."""
+    shape = llama_shape(gigabytes)
+    hidden, intermediate = shape.hidden, shape.intermediate
+    layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
+    return 4 * (2 * VOCABULARY * hidden + shape.layers * layer + hidden)
+
+
+def lora_adapter(model_dir: Path, settings: LoraSettings, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A random adapter of the model at ``model_dir`` as the trainer publishes one: the trainer's PEFT config
+    (``lora.adapter_config``: with no targetModules, every linear module of the decoder layers), injected into the
+    model (on the meta device: only the names and shapes), its trainable tensors under PEFT's file names, random
+    (lora_B too, so it changes what the actor samples), and the header metadata."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        causal_lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    config = lora.adapter_config(settings, causal_lm)
+    lora.inject(causal_lm, config)
+    generator = torch.Generator().manual_seed(seed)
+    trainable = {name: p.shape for name, p in causal_lm.named_parameters() if p.requires_grad}
+    tensors = {name: torch.randn(*shape, generator=generator) / 64 for name, shape in trainable.items()}
+    return lora.file_names(tensors), lora.adapter_metadata(config)
+
+
+@dataclass
+class LoraResult:
+    """LoRA versions on the actor's base model of each size, generation running (the module's docstring)."""
+
+    gigabytes: float
+    """The base model's fp32 state dict (what a full-weights version moves)."""
+    rank: int
+    target_modules: list[str]
+    repeats: int
+    generating: int
+    adapter_bytes: int
+    """The adapter's tensors (fp32), what a LoRA version moves."""
+    adapter_file_bytes: int
+    """The published file, header included."""
+    full_bytes: int
+    update: UpdateTimes
+    """Medians: stage (read and verify), swap = load (write the adapter's directory, add_lora), resume."""
+    recorded_pause_s: float
+    """The largest pauseSeconds in the actor's own update records (0: no pause)."""
+    recorded_paused: bool
+    """Whether any update record has a pausedAt."""
+    tokens_per_s_idle: float
+    tokens_per_s_updating: float
+    """Over every update window: from the announcement until the actor serves the new adapter."""
+    longest_gap_idle_s: float
+    longest_gap_updating_s: float
+    served_adapters: list[int]
+    """The adapter versions vLLM held at the end (maxLag + 1 at most once the old ones' requests have ended)."""
+
+
+def lora_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[LoraResult]:
+    """The actor's share of LoRA versions, over the filesystem transport (the module's docstring)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return [asyncio.run(_lora_size(target, repeats, scratch)) for target in sizes]
+
+
+async def _lora_size(target: float, repeats: int, scratch: Path) -> LoraResult:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    settings = LoraSettings()
+    engine_lora = LoraEngine.of(settings, LORA_MAX_LAG)
+    model_dir = served_model(target, scratch / f"lora-model-{target}")
+    directory = (scratch / f"lora-{target}").resolve()
+    llm = AsyncLLM.from_engine_args(
+        engine_args(str(model_dir), applied_settings(cpu_vllm_settings()), lora=engine_lora)
+    )
+    actor = Actor(llm, lora=engine_lora)
+    files = WeightsDirectory(directory)
+    core = AgentCore(LoopEngine(actor, asyncio.get_running_loop(), files))
+    generation = Generation(llm, actor)
+    idle: list[tuple[float, float]] = []
+    updating: list[tuple[float, float]] = []
+    updates: list[UpdateTimes] = []
+    adapter_bytes = file_bytes = 0
+    modules: list[str] = []
+    try:
+        for version in range(1, repeats + 1):
+            tensors, metadata = lora_adapter(model_dir, settings, seed=version)
+            adapter_bytes = size_of(tensors)
+            modules = json.loads(metadata[lora.ADAPTER_CONFIG_METADATA])["target_modules"]
+            weights = await asyncio.to_thread(publish, tensors, directory, version, metadata=metadata)
+            file_bytes = version_path(directory, version).stat().st_size
+            started = time.time()
+            await asyncio.sleep(IDLE_SECONDS)
+            idle.append((started, time.time()))
+            announced = time.time()
+            await asyncio.to_thread(barrier, core, weights, None, (*UPDATE, BarrierPhase.RESUME))
+            if actor.serving != version:
+                raise RuntimeError(f"the actor serves version {actor.serving} after the update to {version}")
+            updates.append(UpdateTimes.of(actor.updates[-1], announced))
+            updating.append((announced, float(actor.updates[-1]["resumedAt"] or 0.0)))
+        await asyncio.sleep(IDLE_SECONDS)  # new requests run on the newest adapter
+        result = LoraResult(
+            gigabytes=round(full_bytes(target) / 1e9, 2),
+            rank=settings.rank,
+            target_modules=modules,
+            repeats=repeats,
+            generating=GENERATING,
+            adapter_bytes=adapter_bytes,
+            adapter_file_bytes=file_bytes,
+            full_bytes=full_bytes(target),
+            update=_median_times(updates),
+            recorded_pause_s=max(float(u["pauseSeconds"] or 0.0) for u in actor.updates),
+            recorded_paused=any(u["pausedAt"] is not None for u in actor.updates),
+            tokens_per_s_idle=round(generation.tokens(idle), 1),
+            tokens_per_s_updating=round(generation.tokens(updating), 1),
+            longest_gap_idle_s=_median([generation.longest_gap(idle)]),
+            longest_gap_updating_s=_median([generation.longest_gap(updating)]),
+            served_adapters=sorted(await llm.list_loras()),
+        )
+    finally:
+        await generation.stop()
+        llm.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
+    print(
+        f"lora r{result.rank}, {result.gigabytes:5.2f} GB base: adapter {result.adapter_bytes / 1e6:.1f} MB"
+        f" ({result.adapter_bytes / result.full_bytes:.2%} of the full weights) | announced→serving"
+        f" {result.update.announced_to_serving_s:.3f} s (stage {result.update.stage_s:.3f} s, add_lora"
+        f" {result.update.swap_s:.3f} s, resume {result.update.resuming_s:.3f} s), recorded pause"
+        f" {result.recorded_pause_s} s | tokens/s idle {result.tokens_per_s_idle}, updating"
+        f" {result.tokens_per_s_updating} | longest gap idle {result.longest_gap_idle_s:.3f} s, updating"
+        f" {result.longest_gap_updating_s:.3f} s",
+        flush=True,
+    )
+    return result
+
+
+MEMORY_BATCH = (4, 2, 16, 48)
+"""The learn step's synthetic batch: prompts, completions per prompt, prompt and completion tokens."""
+
+
+@dataclass
+class TrainerMemory:
+    """One learn step of the trainer's model of one size, full or LoRA, in a fresh process (the docstring)."""
+
+    gigabytes: float
+    lora: bool
+    parameters: int
+    trainable_parameters: int
+    optimizer_state_bytes: int
+    """Every tensor in the Adam optimizer's state after the step (exp_avg, exp_avg_sq, step)."""
+    rss_after_build_gb: float
+    """Resident memory once the model is loaded, sharded, and its optimizer made."""
+    peak_rss_build_gb: float
+    """The process's peak resident memory (VmHWM) until then: loading the checkpoint included."""
+    peak_rss_learn_gb: float
+    """Its peak over the learn step alone (VmHWM reset after the build)."""
+    learn_s: float
+
+
+def memory_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[TrainerMemory]:
+    """The trainer's peak memory in one learn step, full weights against LoRA, each in a fresh process."""
+    import multiprocessing
+
+    results = []
+    context = multiprocessing.get_context("spawn")
+    for target in sizes:
+        model_dir = served_model(target, scratch / f"memory-model-{target}")
+        try:
+            for with_lora in (False, True):
+                queue = context.SimpleQueue()
+                process = context.Process(target=_learn_once, args=(str(model_dir), with_lora, queue))
+                process.start()
+                process.join()
+                if process.exitcode != 0 or queue.empty():
+                    raise RuntimeError(f"the learn step's process failed (exit {process.exitcode})")
+                result = TrainerMemory(gigabytes=round(full_bytes(target) / 1e9, 2), **queue.get())
+                results.append(result)
+                print(
+                    f"trainer, {result.gigabytes:5.2f} GB, {'LoRA' if result.lora else 'full'}: trainable"
+                    f" {result.trainable_parameters / 1e6:.2f}M of {result.parameters / 1e6:.1f}M, optimizer state"
+                    f" {result.optimizer_state_bytes / 1e6:.1f} MB | RSS after build {result.rss_after_build_gb:.2f}"
+                    f" GB (peak {result.peak_rss_build_gb:.2f}), peak in the learn step"
+                    f" {result.peak_rss_learn_gb:.2f} GB ({result.learn_s:.1f} s)",
+                    flush=True,
+                )
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    return results
+
+
+def _memory_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _learn_once(model_dir: str, with_lora: bool, results: Any) -> None:
+    """In a fresh process: build the trainer's model as the trainer does (``trainer.build``: fp32, the adapter
+    injected for LoRA, sharded on 1 rank over gloo, Adam over the parameters that train), run one ``learn`` step on a
+    synthetic batch, and put what it used on ``results``."""
+    import random
+
+    import torch.distributed as dist
+
+    from lockstep_workers import sharding, trainer
+    from lockstep_workers.learner import Rollout, learn
+
+    device = torch.device("cpu")
+    mesh = sharding.start(0, 1, device)
+    settings = Training(reward="lockstep_workers.rewards:target_words", lora=LoraSettings() if with_lora else None)
+    model = trainer.build(model_dir, settings, None, mesh)
+    rss_after_build, peak_build = _memory_kb("VmRSS"), _memory_kb("VmHWM")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    prompts, group, prompt_tokens, completion_tokens = MEMORY_BATCH
+    words = random.Random(0)
+    vocab = model.causal_lm.config.vocab_size
+    batch = [
+        Rollout(
+            [words.randrange(3, vocab) for _ in range(prompt_tokens)],
+            [words.randrange(3, vocab) for _ in range(completion_tokens)],
+            [-5.0] * completion_tokens,
+            index,
+            [0] * completion_tokens,
+        )
+        for index in range(prompts)
+        for _ in range(group)
+    ]
+    started = time.monotonic()
+    learn(model.policy, model.optimizer, batch, [(n % 3) / 2 for n in range(len(batch))], settings.objective, 1.0)
+    learn_s = time.monotonic() - started
+    state = [t for s in model.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    results.put(
+        {
+            "lora": with_lora,
+            "parameters": sum(p.numel() for p in model.causal_lm.parameters()),
+            "trainable_parameters": sum(p.numel() for p in model.causal_lm.parameters() if p.requires_grad),
+            "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state),
+            "rss_after_build_gb": round(rss_after_build * 1024 / 1e9, 2),
+            "peak_rss_build_gb": round(peak_build * 1024 / 1e9, 2),
+            "peak_rss_learn_gb": round(_memory_kb("VmHWM") * 1024 / 1e9, 2),
+            "learn_s": round(learn_s, 2),
+        }
+    )
+    dist.destroy_process_group()
+
+
 PARTS: dict[str, Callable[[list[float], int, float, Path], Sequence[object]]] = {
     "publish": publish_part,
     "actor": actor_part,
     "gloo": gloo_part,
+    "lora": lora_part,
+    "memory": memory_part,
 }
 
 
@@ -562,6 +865,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step-seconds", type=float, default=4.0, help="the learning step's stand-in")
     parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=sorted(PARTS))
+    parser.add_argument(
+        "--memory-sizes", type=float, nargs="+", default=[0.5], help="the memory part's model sizes in GB"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "weights.json")
     options = parser.parse_args()
     if options.repeats < 2:
@@ -572,7 +878,8 @@ def main() -> None:
     results: list[object] = []
     try:
         for part in options.parts:
-            results.extend(PARTS[part](options.sizes, options.repeats, options.step_seconds, scratch))
+            sizes = options.memory_sizes if part == "memory" else options.sizes
+            results.extend(PARTS[part](sizes, options.repeats, options.step_seconds, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     write_results(options.out, results)
