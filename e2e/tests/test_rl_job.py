@@ -427,7 +427,13 @@ def test_a_trainer_of_two_ranks_resumes_its_checkpoint_with_one(
     assert [s for s in steps if s > version] == list(range(version + 1, 9)), f"the one rank ran on: {steps}"
 
 
-LORA = {"lora": {"rank": 8, "alpha": 16}, "objective": {"learningRate": 0.02}, "checkpointEverySteps": 1}
+LORA = {
+    "lora": {"rank": 8, "alpha": 16, "trainLmHead": True},
+    "objective": {"learningRate": 0.01},
+    "checkpointEverySteps": 1,
+}
+"""The tiny task's reward asks for particular tokens: an adapter on the decoder layers alone plateaus at about 0.17
+(offline, 16 steps at 1e-2 or 3e-2); with one on the lm_head too it reached 1.0 (full fine-tuning at 3e-3: 0.80)."""
 LORA_STEPS = 12
 
 
