@@ -29,7 +29,7 @@ from lockstep_e2e.barrier_time import barrier_times
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.install import REPO, install, start_operator
 from lockstep_e2e.jobs import condition
-from lockstep_e2e.rl import EVAL, RunResult, merged, plot, run_tiny_rl_job, step_time, update_seconds
+from lockstep_e2e.rl import EVAL, RunResult, plot, run_tiny_rl_job, step_time, update_seconds
 from lockstep_workers.text_task import EVAL_ROWS
 
 NAMESPACE = "demo"
@@ -48,12 +48,6 @@ then every sample of a group scores alike, so nothing is left to learn from); at
 off the rows it got right (0.9-1.0 at step 40, 0.7-0.8 at step 80); at 3e-4 it keeps climbing. Chosen with the
 real learner on this task offline (one-token sampling in torch from weights one version stale): at 3e-4 with 32
 prompts the eval reward at version 60 was 0.90-1.00 over four seeds, with 16 prompts 0.85-0.90 at version 80."""
-
-
-LORA = {"lora": {"rank": 16, "alpha": 32}, "objective": {"learningRate": 3e-3}}
-"""``--lora``: spec.trainer fields over TUNED that train a rank-16 adapter on every linear module of the decoder
-layers instead of every weight. An adapter's update is scaled by alpha / rank and starts from zero, so it takes a
-larger learning rate than full fine-tuning (docs/lora.md compares the two runs)."""
 
 
 def step(message: str) -> None:
@@ -117,7 +111,6 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / "out" / "demo", help="cluster state and logs")
     parser.add_argument("--steps", type=int, default=STEPS, help="trainer steps (one weight update each)")
     parser.add_argument("--keep", action="store_true", help="keep the cluster running until Ctrl-C")
-    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of every weight")
     options = parser.parse_args()
     workdir: Path = options.workdir
     if workdir.exists():
@@ -141,7 +134,7 @@ def main() -> None:
             progress=step,
             preflight={"enabled": True},
             text=True,
-            trainer=merged(TUNED, LORA) if options.lora else TUNED,
+            trainer=TUNED,
         )
         status = result.job["status"]
         if preflight := status.get("preflight"):
