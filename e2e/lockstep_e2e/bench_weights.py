@@ -74,7 +74,7 @@ from lockstep_e2e.benchmarks import write_results
 from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
 from lockstep_workers import lora
-from lockstep_workers.actor import Actor, LoopEngine, _lora_request, applied_settings, engine_args
+from lockstep_workers.actor import Actor, LoopEngine, applied_settings, engine_args
 from lockstep_workers.adapters import LoraEngine
 from lockstep_workers.agent import AgentCore, Staged
 from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
@@ -293,18 +293,15 @@ class Generation:
             temperature=0.7, max_tokens=500, ignore_eos=True, seed=seed, output_kind=RequestOutputKind.DELTA
         )
         while True:
-            actor = self.actor
-            adapter = actor.adapters.start() if actor is not None and actor.adapters is not None else None
-            request = _lora_request(adapter, actor.adapter_files if actor is not None else None)
-            try:
+            async with contextlib.AsyncExitStack() as held:
+                request = None
+                if self.actor is not None:
+                    _, request = await held.enter_async_context(self.actor.request_adapter())
                 async for output in self.llm.generate(
                     TokensPrompt(prompt_token_ids=PROMPT), params, uuid.uuid4().hex, lora_request=request
                 ):
                     now = time.time()
                     self.arrivals.extend([now] * len(output.outputs[0].token_ids))
-            finally:
-                if actor is not None and actor.adapters is not None and adapter is not None:
-                    await actor._remove_adapters(actor.adapters.finish(adapter))
 
     def tokens(self, windows: list[tuple[float, float]]) -> float:
         """Tokens per second over ``windows`` (start, end) together."""

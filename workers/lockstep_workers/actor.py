@@ -27,6 +27,7 @@ barrier has brought it to them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,26 +172,34 @@ class Actor:
         logprobs: list[float] = []
         versions: list[int] = []
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        adapter = None
-        if self.adapters is not None:
-            await self._load_base_adapter()
-            adapter = self.adapters.start()
         try:
-            async for output in self.llm.generate(
-                prompt, params, request_id=uuid.uuid4().hex, lora_request=_lora_request(adapter, self.adapter_files)
-            ):
-                completion = output.outputs[0]
-                for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
-                    tokens.append(token)
-                    logprobs.append(candidates[token].logprob)
-                    versions.append(self.serving if adapter is None else adapter)
+            async with self.request_adapter() as (adapter, lora_request):
+                async for output in self.llm.generate(
+                    prompt, params, request_id=uuid.uuid4().hex, lora_request=lora_request
+                ):
+                    completion = output.outputs[0]
+                    for token, candidates in zip(completion.token_ids, completion.logprobs or [], strict=True):
+                        tokens.append(token)
+                        logprobs.append(candidates[token].logprob)
+                        versions.append(self.serving if adapter is None else adapter)
         except VLLMClientError as error:  # vLLM's own verdict: the request, not the engine, is at fault
             raise BadRequest(f"prompt_token_ids or sampling: {error}") from None
-        finally:
-            if adapter is not None and self.adapters is not None:
-                await self._remove_adapters(self.adapters.finish(adapter))
         TOKENS.inc(len(tokens))
         return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions}
+
+    @contextlib.asynccontextmanager
+    async def request_adapter(self) -> AsyncIterator[tuple[int | None, Any]]:
+        """For one request, while it runs: the adapter version it is served under and vLLM's LoRARequest of it (a
+        LoRA job), or (None, None) (full weights). Its adapter stays loaded until the request ends, however it ends."""
+        if self.adapters is None:
+            yield None, None
+            return
+        await self._load_base_adapter()
+        version = self.adapters.start()
+        try:
+            yield version, _lora_request(version, self.adapter_files)
+        finally:
+            await self._remove_adapters(self.adapters.finish(version))
 
     async def pause(self) -> None:
         """Hold generation for the swap (pause_generation); for LoRA only mark the update begun: nothing pauses."""
