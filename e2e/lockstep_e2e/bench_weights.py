@@ -667,7 +667,7 @@ async def _lora_size(target: float, repeats: int, scratch: Path) -> LoraResult:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     settings = LoraSettings()
-    engine_lora = LoraEngine.of(settings, LORA_MAX_LAG)
+    engine_lora = LoraEngine(settings, LORA_MAX_LAG)
     model_dir = served_model(target, scratch / f"lora-model-{target}")
     directory = (scratch / f"lora-{target}").resolve()
     llm = AsyncLLM.from_engine_args(

@@ -307,7 +307,7 @@ def lora_engine(config: PodConfig | None) -> LoraEngine | None:
     """vLLM's LoRA settings of a LoRA job (spec.trainer.lora and maxLag, from its PodConfig), else None."""
     if config is None or config.training.lora is None:
         return None
-    return LoraEngine.of(config.training.lora, config.training.max_lag)
+    return LoraEngine(config.training.lora, config.training.max_lag)
 
 
 def weights_origin(backend: WeightSyncBackend, environ: Mapping[str, str]) -> WeightsOrigin:

@@ -43,10 +43,6 @@ class LoraEngine:
     settings: LoraSettings
     max_lag: int
 
-    @classmethod
-    def of(cls, settings: LoraSettings, max_lag: int) -> LoraEngine:
-        return cls(settings, max_lag)
-
     @property
     def max_loras(self) -> int:
         return self.max_lag + 2

@@ -271,7 +271,7 @@ async def _run_engine(
     from lockstep_workers.adapters import LoraEngine
     from lockstep_workers.weights import WeightsDirectory, local_path
 
-    lora = LoraEngine.of(configuration.lora, max_lag=1) if configuration.lora is not None else None
+    lora = LoraEngine(configuration.lora, max_lag=1) if configuration.lora is not None else None
     llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(configuration.vllm), lora=lora))
     actor = Actor(
         llm, pause_mode=configuration.update.pause_mode, clear_cache=configuration.update.clear_cache, lora=lora

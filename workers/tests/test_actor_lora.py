@@ -39,7 +39,7 @@ def test_an_adapter_goes_once_beyond_max_lag_and_unused() -> None:
 
 
 def test_vllm_is_asked_for_max_lag_plus_two_adapters_of_an_allowed_rank() -> None:
-    engine = LoraEngine.of(LoraSettings(rank=12), max_lag=2)
+    engine = LoraEngine(LoraSettings(rank=12), max_lag=2)
     assert adapter_id(0) == 1, "vLLM's adapter ids start at 1; version 0 is the base model's adapter of zeros"
     assert engine.engine_args() == {"enable_lora": True, "max_loras": 4, "max_cpu_loras": 6, "max_lora_rank": 16}
 
