@@ -34,7 +34,9 @@ from lockstep.api import Algorithm, CorrectionLevel, CorrectionMode, Objective, 
 
 LOG_WEIGHT_BOUND = 20.0
 """Log importance weights are clamped to [-20, 20] before exp (verl's SAFETY_BOUND): a sequence's product of token
-ratios overflows otherwise."""
+ratios overflows otherwise. The mismatch metrics clamp each token's log rho the same before exp (rho, rho squared,
+k3): unclamped, one token at log rho = 30 gives chi2_token 1e24, at 360 rho squared overflows, at 710 rho is
+infinite and ESS NaN."""
 SUM = "sum:"
 MAX = "max:"
 """The prefixes of the statistics in ``learn``'s result, which ``across_ranks`` combines and turns into metrics."""
@@ -95,13 +97,11 @@ class Statistics:
                 "loss": ratio("loss", "loss_units"),
                 "clamp_log_ratio_new_old_indicator": ratio("clipped", "clip_units"),
                 "kl_new_old": ratio("kl_new_old", "tokens"),
-                "ess": s["rho"] ** 2 / (tokens * s["rho_squared"]) if tokens and s["rho_squared"] else 0.0,
+                "ess": _ess(s["rho"], s["rho_squared"], tokens),
                 "mean_abs_logprob_diff": ratio("abs_logprob_diff", "tokens"),
                 "tis_weight_mean": ratio("weight", "weight_units"),
                 "rollout_is_mean": ratio("raw_weight", "weight_units"),
-                "rollout_is_eff_sample_size": (
-                    s["weight"] ** 2 / (units * s["weight_squared"]) if units and s["weight_squared"] else 0.0
-                ),
+                "rollout_is_eff_sample_size": _ess(s["weight"], s["weight_squared"], units),
                 "rollout_is_ratio_fraction_high": ratio("above_upper", "weight_units"),
                 "rollout_is_ratio_fraction_low": ratio("below_lower", "weight_units"),
                 "rollout_is_masked_fraction": ratio("masked_tokens", "tokens"),
@@ -129,6 +129,12 @@ class Statistics:
             out["spanning_sequence_fraction"] = ratio("spanning", "samples")
             out["staleness"] = m["staleness"]
         return out
+
+
+def _ess(total: float, squares: float, count: float) -> float:
+    """(sum w)^2 / (count * sum w^2), as (sum w / count) * (sum w / sum w^2): no square of a sum, which overflows a
+    float when the weights are large; 0 when empty."""
+    return (total / count) * (total / squares) if count and squares else 0.0
 
 
 def _pearson(s: Mapping[str, float], largest_difference: float) -> float:
@@ -261,7 +267,8 @@ def _mismatch(
     kept = mask.bool()
     old, rollout = torch.where(kept, old, 0.0), torch.where(kept, rollout, 0.0)
     log_rho = old - rollout
-    rho = torch.exp(log_rho) * mask
+    safe_log_rho = log_rho.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+    rho = torch.exp(safe_log_rho) * mask
     lengths = mask.sum(dim=-1)
     sequences = lengths > 0
     mean_old, mean_rollout = old.sum(dim=-1) / lengths.clamp(min=1), rollout.sum(dim=-1) / lengths.clamp(min=1)
@@ -278,7 +285,7 @@ def _mismatch(
         "rho": rho.sum(),
         "rho_squared": (rho**2).sum(),
         "abs_logprob_diff": (log_rho.abs() * mask).sum(),
-        "k3_kl": ((torch.exp(log_rho) - log_rho - 1) * mask).sum(),
+        "k3_kl": ((torch.exp(safe_log_rho) - safe_log_rho - 1) * mask).sum(),
         "training_ppl": (torch.exp(-mean_old) * sequences).sum(),
         "rollout_ppl": (torch.exp(-mean_rollout) * sequences).sum(),
         "log_ppl_diff": ((mean_rollout - mean_old) * sequences).sum(),

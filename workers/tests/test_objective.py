@@ -99,3 +99,17 @@ def test_ess_drops_when_importance_weights_are_uneven_and_padding_is_ignored() -
     _, metrics = policy_loss(uneven, objective("ppo"))
     weights = torch.tensor([4.0, 4.0, 4.0, 1.0, 1.0])
     assert metrics["ess"] == pytest.approx((weights.sum() ** 2 / (5 * (weights**2).sum())).item())
+
+
+@pytest.mark.parametrize("log_rho", [30.0, 360.0, 800.0])
+def test_one_token_far_off_policy_gives_finite_mismatch_metrics_clamped_as_verl_does(log_rho: float) -> None:
+    data = batch(advantages=(1.0, 1.0))
+    rollout = data.old.clone()
+    rollout[0, 0] -= log_rho  # one token's log rho; the other four are on-policy
+    far = Batch(new=data.new, old=data.old, rollout=rollout, advantages=data.advantages, mask=data.mask)
+    _, metrics = policy_loss(far, objective("ppo"))
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+    rho = math.exp(objective_module.LOG_WEIGHT_BOUND)  # log rho clamped to 20, as verl's SAFETY_BOUND
+    assert metrics["chi2_token"] == pytest.approx((rho**2 + 4) / 5 - 1)
+    assert metrics["ess"] == pytest.approx((rho + 4) ** 2 / (5 * (rho**2 + 4)))
+    assert metrics["mean_abs_logprob_diff"] == pytest.approx(log_rho / 5), "the measured difference is not clamped"
