@@ -940,8 +940,14 @@ class RLJobSpec(Model):
 class BarrierStatus(Model):
     """The open barrier, as recorded in ``RLJob.status.barrier``."""
 
-    id: str = Field(description="<job uid>/<version>: names the barrier in every command and ack")
+    id: str = Field(
+        description="<job uid>/<version>/<n>: names the barrier in every command and ack; n counts the barriers "
+        "opened over the job's life (status.barriersOpened), so no two barriers of a job share an id"
+    )
     version: int = Field(description="the weights version being loaded")
+    attempt: int = Field(
+        1, description="collective backends: the attempt at this version's transfer (a retry is a new barrier)"
+    )
     uri: str = Field(description="where the weights are (a directory on the shared volume, or a manifest URL)")
     digest: str = Field(description="sha256 of the weights, checked by every member")
     bytes: int | None = Field(None, description="the version's size in bytes, as the trainer announced it")
@@ -1074,6 +1080,9 @@ class RLJobStatus(Model):
     lag: int | None = Field(None, description="Newest announced version minus the oldest version an actor serves.")
     barrier: BarrierStatus | None = Field(None, description="The weight update in flight.")
     barrier_history: list[BarrierRecord] = Field(default_factory=list, description="The most recent barriers.")
+    barriers_opened: int = Field(
+        0, description="Barriers opened over the job's life: the last part of the newest barrier's id."
+    )
     mismatch: Mismatch | None = Field(None, description="The trainer's last parity measurement.")
     evaluation: EvalResult | None = Field(None, description="The trainer's last evaluation (spec.trainer.eval).")
     preflight: PreflightResult | None = Field(None, description="The preflight parity check's result.")

@@ -50,6 +50,8 @@ class Decision:
     stored: a restarted operator finds the acks where they are."""
     failed: str | None = None
     record: BarrierRecord | None = None
+    opened: int = 0
+    """Barriers opened over the job's life, this step's included (``RLJob.status.barriersOpened``)."""
     notes: list[str] = field(default_factory=list)
     """What happened, in words for Events."""
 
@@ -107,6 +109,7 @@ def step(
     sender: str | None = None,
     ranks_per_member: int = 1,
     rolling: bool = False,
+    opened: int = 0,
 ) -> Decision:
     """Advance the barrier by what the member pods say; open one when weights are newer than committed (also
     right after the open one completed: the next barrier opens in the step that closes the last).
@@ -120,8 +123,11 @@ def step(
     while it waits for the sender (or its replacement), and its ``Update`` forms a new group. A ``rolling``
     barrier (no sender) opens in ``Resume``: each member stages, pauses, swaps and resumes on its own, and the
     barrier completes once every member acked ``Resumed``.
+
+    ``opened`` counts the barriers opened over the job's life; each new one (a retry too) takes the next number as
+    the last part of its id, so an ack for an earlier barrier never answers a later one.
     """
-    decision = Decision(barrier=barrier, committed=committed)
+    decision = Decision(barrier=barrier, committed=committed, opened=opened_so_far(opened, barrier, history))
     seen = {m.name: m for m in members}
     if decision.barrier is not None:
         _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
@@ -130,10 +136,9 @@ def step(
             return _with_commands(decision, seen)
         # Completed: weights announced meanwhile (or members still behind) open the next barrier in this same
         # step. No later pass may come to open it: the request of the announcement may be the one this pass serves.
-        history = remember(history, record)
         seen = {name: m for name, m in seen.items() if name not in decision.evict}
     opened = _maybe_open(
-        job_uid, decision.committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member, rolling
+        f"{job_uid}/", decision, announced, seen, now, timeout_seconds, sender, ranks_per_member, rolling
     )
     if opened is None:
         return decision
@@ -155,12 +160,22 @@ def _with_commands(decision: Decision, seen: dict[str, Member]) -> Decision:
     return decision
 
 
+def opened_so_far(opened: int, barrier: BarrierStatus | None, history: list[BarrierRecord]) -> int:
+    """Barriers opened over the job's life: ``opened`` (status.barriersOpened), or more when the open barrier or
+    the history has a larger number (a status written before the count existed)."""
+    return max([opened, *(_number(b.id) for b in [*history, *([barrier] if barrier else [])])])
+
+
+def _number(barrier_id: str) -> int:
+    last = barrier_id.rsplit("/", 1)[-1]
+    return int(last) if last.isdigit() else 0
+
+
 def _maybe_open(
-    job_uid: str,
-    committed: Weights | None,
+    prefix: str,
+    decision: Decision,
     announced: Weights | None,
     seen: dict[str, Member],
-    history: list[BarrierRecord],
     now: dt.datetime,
     timeout_seconds: float,
     sender: str | None,
@@ -168,6 +183,7 @@ def _maybe_open(
     rolling: bool,
 ) -> BarrierStatus | None:
     assert not (rolling and sender), "a rolling update has no transfer group"
+    committed = decision.committed
     if sender is not None and sender not in seen:
         return None  # the weights can only come from the sender: wait for it
     receivers = [m for name, m in seen.items() if name != sender]
@@ -181,11 +197,11 @@ def _maybe_open(
         return None
     if not joining:
         return None
-    attempt = 1 + sum(1 for record in history if record.version == target.version)
+    decision.opened += 1
     stamp = rfc3339(now, milliseconds=True)
     sending = [seen[sender]] if sender is not None else []
     barrier = BarrierStatus(
-        id=f"{job_uid}/{target.version}/{attempt}",
+        id=f"{prefix}{target.version}/{decision.opened}",
         version=target.version,
         uri=target.uri,
         digest=target.digest,
@@ -228,7 +244,7 @@ def _advance(
         errors = _collect_acks(decision, seen)
         cut_off: dict[str, str] = {}
         if (failure := _transfer_failure(barrier, errors)) is not None:
-            if _attempt(barrier) < TRANSFER_ATTEMPTS:
+            if barrier.attempt < TRANSFER_ATTEMPTS:
                 _retry(decision, now, timeout_seconds, failure)
                 return
             cut_off = _waiting_for_weights(barrier, decision.acked, failure)
@@ -294,10 +310,6 @@ def _transfer_failure(barrier: BarrierStatus, errors: dict[str, str]) -> str | N
     return "; ".join(reasons) or None
 
 
-def _attempt(barrier: BarrierStatus) -> int:
-    return int(barrier.id.rsplit("/", 1)[1])
-
-
 def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure: str) -> None:
     """Record this attempt as failed and open the next one with the same members, still paused; its Update
     phase forms a new group. A sender that left is waited for, and its replacement sends."""
@@ -306,10 +318,12 @@ def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure
     sender = old.sender
     assert sender is not None
     decision.record = _record(old, BarrierOutcome.FAILED, now)
+    decision.opened += 1
     stamp = rfc3339(now, milliseconds=True)
     decision.barrier = BarrierStatus(
-        id=f"{old.id.rsplit('/', 1)[0]}/{_attempt(old) + 1}",
+        id=f"{old.id.rsplit('/', 1)[0]}/{decision.opened}",
         version=old.version,
+        attempt=old.attempt + 1,
         uri=old.uri,
         digest=old.digest,
         bytes=old.bytes,

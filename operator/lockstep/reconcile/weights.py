@@ -61,8 +61,10 @@ def step(
         sender=rank0_name if collective else None,
         ranks_per_member=ranks,
         rolling=spec.weight_sync.mode is UpdateMode.ROLLING,
+        opened=status.barriers_opened,
     )
     status.barrier = decision.barrier
+    status.barriers_opened = decision.opened
     if decision.barrier is not None:
         run.plan.waiting_for = set(decision.barrier.members) - set(decision.acked)
     status.weights = decision.committed
