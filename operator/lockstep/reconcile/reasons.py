@@ -37,6 +37,9 @@ class Reason(StrEnum):
     # ParityDegraded
     WITHIN_BUDGET = "WithinBudget"
     MISMATCH_BUDGET_EXCEEDED = "MismatchBudgetExceeded"
+    # TrainerReportsValid
+    REPORTS_VALID = "ReportsValid"
+    INVALID_TRAINER_REPORT = "InvalidTrainerReport"
     # WeightsFitMemory
     WITHIN_MEMORY_LIMIT = "WithinMemoryLimit"
     ACTOR_MEMORY_LIMIT_TOO_LOW = "ActorMemoryLimitTooLow"
