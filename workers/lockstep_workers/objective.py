@@ -42,6 +42,10 @@ MAX = "max:"
 """The prefixes of the statistics in ``learn``'s result, which ``across_ranks`` combines and turns into metrics."""
 
 
+class NonFiniteLoss(ValueError):
+    """A micro-batch's loss is NaN or infinite: the step stops before it steps the optimiser or publishes."""
+
+
 @dataclass(frozen=True)
 class Batch:
     """[sequences, tokens] tensors, padded; ``mask`` is 1 on the tokens in the loss."""
@@ -218,7 +222,8 @@ def loss_denominator(mask: torch.Tensor, objective: Objective) -> float:
 
 def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Statistics]:
     """The loss to minimise (the mean over ``loss_denominator``'s units, 0 without any; computed in float64, in
-    ``batch.new``'s dtype) and the batch's statistics."""
+    ``batch.new``'s dtype) and the batch's statistics. A loss that is not finite raises NonFiniteLoss, naming the
+    inputs that are not (before any gradient, so no optimiser step and no publish follows)."""
     mask = batch.mask.double()
     kept = mask.bool()
     old, rollout = batch.old.detach().double(), batch.rollout.detach().double()
@@ -255,8 +260,27 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
             sums["entropy"] = (batch.entropy.double() * mask).sum()
         values = torch.stack([t.double().reshape(()) for t in (*sums.values(), *maxima.values())]).tolist()
     # One transfer to the host (one device synchronisation, not one per value).
-    return loss, Statistics(
+    statistics = Statistics(
         dict(zip(sums, values[: len(sums)], strict=True)), dict(zip(maxima, values[len(sums) :], strict=True))
+    )
+    if not math.isfinite(statistics.sums["loss"]):
+        raise NonFiniteLoss(_non_finite(batch, kept, statistics.sums["loss"]))
+    return loss, statistics
+
+
+def _non_finite(batch: Batch, kept: torch.Tensor, loss: float) -> str:
+    """Why the loss is ``loss`` (NaN or infinite): which inputs are not finite on the kept tokens."""
+    inputs = {
+        "the trainer's logprobs (new)": batch.new.detach()[kept],
+        "the proximal logprobs (old)": batch.old[kept],
+        "the rollout logprobs (vLLM's)": batch.rollout[kept],
+        "the advantages (from the rewards)": batch.advantages,
+    }
+    bad = [f"{name}: {int((~t.isfinite()).sum())} not finite" for name, t in inputs.items() if not t.isfinite().all()]
+    return (
+        f"the loss is {loss}, so the step stops before its optimiser step and publishes nothing; "
+        f"{'; '.join(bad) or 'every input is finite: the loss overflowed'}. A diverged model gives NaN logprobs: "
+        "lower spec.trainer.objective.learningRate or resume from an earlier checkpoint"
     )
 
 
