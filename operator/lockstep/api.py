@@ -1046,6 +1046,10 @@ class BarrierRecord(Model):
         None,
         description="why an interrupted barrier closed: Suspended, QuotaExceeded, or Kueue's reason (Preempted...)",
     )
+    finished_at: str | None = Field(None, description="when the barrier closed (RFC 3339)")
+    error: str | None = Field(
+        None, description="why a failed barrier failed: the members' errors, or the transfer's, in words"
+    )
 
 
 class ConditionStatus(StrEnum):

@@ -25,6 +25,54 @@ MEMBER_RETRIES = 2
 """How often a barrier asks a member again after it reported an error (the error may be transient) before the
 member is a straggler."""
 NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
+STALL_AFTER_FAILURES = 5
+"""Failed barriers in a row for one version after which none opens for it again (``held_back``): the members
+keep serving the committed version until the trainer announces a newer one. A collective transfer's attempts each
+count, so this is more than TRANSFER_ATTEMPTS."""
+BACKOFF_SECONDS = 10.0
+BACKOFF_LIMIT_SECONDS = 300.0
+"""After k failed barriers in a row for one version, the next opens BACKOFF_SECONDS * 2^(k-1) seconds after the
+last one closed, at most BACKOFF_LIMIT_SECONDS."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why no barrier may open now for a version that failed in a row (``held_back``)."""
+
+    version: int
+    failures: int
+    error: str | None
+    until: dt.datetime | None
+    """When a barrier may open again; None: stalled, none opens for this version."""
+
+    def words(self) -> str:
+        last = f" (the last: {self.error})" if self.error else ""
+        return f"weights version {self.version} failed in {self.failures} barrier(s) in a row{last}"
+
+
+def held_back(history: list[BarrierRecord], version: int, now: dt.datetime) -> Hold | None:
+    """Whether a new barrier for ``version`` must wait, from the barrier history alone: after k failed barriers in
+    a row for it (since the last completed barrier of any version; interrupted ones do not count), the next opens
+    BACKOFF_SECONDS * 2^(k-1) s (at most BACKOFF_LIMIT_SECONDS) after the last closed, and after
+    STALL_AFTER_FAILURES none does (``until`` None). None: a barrier may open now."""
+    failed: list[BarrierRecord] = []
+    for record in reversed(history):
+        if record.outcome is BarrierOutcome.COMPLETED or (
+            record.outcome is BarrierOutcome.FAILED and record.version != version
+        ):
+            break
+        if record.outcome is BarrierOutcome.FAILED:
+            failed.append(record)
+    if not failed:
+        return None
+    last = failed[0]
+    if len(failed) >= STALL_AFTER_FAILURES:
+        return Hold(version, len(failed), last.error, None)
+    if last.finished_at is None:
+        return None  # recorded before the time was kept: nothing to wait from
+    wait = min(BACKOFF_SECONDS * 2 ** (len(failed) - 1), BACKOFF_LIMIT_SECONDS)
+    until = parse_rfc3339(last.finished_at) + dt.timedelta(seconds=wait)
+    return Hold(version, len(failed), last.error, until) if now < until else None
 
 
 @dataclass(frozen=True)
@@ -52,6 +100,10 @@ class Decision:
     record: BarrierRecord | None = None
     opened: int = 0
     """Barriers opened over the job's life, this step's included (``RLJob.status.barriersOpened``)."""
+    held: Hold | None = None
+    """Why no barrier opened for the version it would have loaded (``held_back``)."""
+    error: str | None = None
+    """Why the members of the open barrier fail, in words, for its record if it fails."""
     notes: list[str] = field(default_factory=list)
     """What happened, in words for Events."""
 
@@ -136,9 +188,10 @@ def step(
             return _with_commands(decision, seen)
         # Completed: weights announced meanwhile (or members still behind) open the next barrier in this same
         # step. No later pass may come to open it: the request of the announcement may be the one this pass serves.
+        history = remember(history, record)
         seen = {name: m for name, m in seen.items() if name not in decision.evict}
     opened = _maybe_open(
-        f"{job_uid}/", decision, announced, seen, now, timeout_seconds, sender, ranks_per_member, rolling
+        f"{job_uid}/", decision, announced, seen, history, now, timeout_seconds, sender, ranks_per_member, rolling
     )
     if opened is None:
         return decision
@@ -176,6 +229,7 @@ def _maybe_open(
     decision: Decision,
     announced: Weights | None,
     seen: dict[str, Member],
+    history: list[BarrierRecord],
     now: dt.datetime,
     timeout_seconds: float,
     sender: str | None,
@@ -196,6 +250,9 @@ def _maybe_open(
     else:
         return None
     if not joining:
+        return None
+    decision.held = held_back(history, target.version, now)
+    if decision.held is not None:
         return None
     decision.opened += 1
     stamp = rfc3339(now, milliseconds=True)
@@ -290,7 +347,7 @@ def _abandon(decision: Decision, now: dt.datetime) -> None:
     committing its version. The replacements start from the committed weights and a new barrier brings them on."""
     barrier = decision.barrier
     assert barrier is not None
-    decision.record = _record(barrier, BarrierOutcome.FAILED, now)
+    decision.record = _record(barrier, BarrierOutcome.FAILED, now, decision.error or "every member left it")
     decision.notes.append(
         f"barrier {barrier.id} has no member left to load weights version {barrier.version}; it is closed "
         f"without committing that version, and a new barrier opens once the replacements run"
@@ -317,7 +374,7 @@ def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure
     assert old is not None
     sender = old.sender
     assert sender is not None
-    decision.record = _record(old, BarrierOutcome.FAILED, now)
+    decision.record = _record(old, BarrierOutcome.FAILED, now, failure)
     decision.opened += 1
     stamp = rfc3339(now, milliseconds=True)
     decision.barrier = BarrierStatus(
@@ -379,12 +436,13 @@ def _handle_stragglers(
     barrier = decision.barrier
     assert barrier is not None
     what = "; ".join(f"{name} {why}" for name, why in sorted(stragglers.items()))
+    decision.error = what
     if on_timeout is TimeoutAction.FAIL_JOB:
         decision.failed = (
             f"weight update to version {barrier.version} failed in phase {barrier.phase.value}: {what} "
             "(spec.weightSync.onTimeout: FailJob)"
         )
-        decision.record = _record(barrier, BarrierOutcome.FAILED, now)
+        decision.record = _record(barrier, BarrierOutcome.FAILED, now, what)
         decision.barrier = None
         return False
     for name in stragglers:
@@ -438,7 +496,9 @@ def _form_transfer_group(barrier: BarrierStatus, seen: dict[str, Member], ranks_
     barrier.transfer_world_size = 1 + len(receivers) * ranks_per_member if receivers else None
 
 
-def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -> BarrierRecord:
+def _record(
+    barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime, error: str | None = None
+) -> BarrierRecord:
     slowest = max(barrier.slowest.items(), key=lambda item: barrier.phase_seconds.get(item[0], 0), default=None)
     return BarrierRecord(
         id=barrier.id,
@@ -449,6 +509,8 @@ def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -
         slowest_pod=slowest[1] if slowest else None,
         members=len(barrier.members),
         evicted=barrier.evicted,
+        finished_at=rfc3339(now, milliseconds=True),
+        error=error,
     )
 
 

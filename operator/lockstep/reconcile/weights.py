@@ -33,7 +33,8 @@ def step(
     backend trainer rank 0 is a member too: it sends the weights, and each actor takes ``ranks`` ranks of the
     transfer group. While ``updates`` are held, or the actors cannot stage the announced version in their memory
     (lockstep.reconcile.memory), an open barrier goes on and no new one opens for it; ``updates`` FAILED (the
-    budget ended the job) is DONE."""
+    budget ended the job) is DONE. A version whose barriers failed in a row waits before the next, and stalls
+    (``run.updates_stalled``, for Ready) after lockstep.barrier.STALL_AFTER_FAILURES of them."""
     if updates is budget.Updates.FAILED:
         return Next.DONE
     rank0_name = desired.rank0_name(run.job.name)
@@ -74,6 +75,14 @@ def step(
     status.lag = announced.version - min(actors) if announced is not None and actors else None
     for note in decision.notes:
         run.event(Reason.WEIGHT_UPDATE, note)
+    if (held := decision.held) is not None and held.until is not None:
+        run.requeue((held.until - run.observed.now).total_seconds() + 0.5)
+    elif held is not None:
+        serving = f"version {committed.version}" if (committed := decision.committed) else "the initial weights"
+        run.updates_stalled = (
+            f"{held.words()}; no barrier opens for it again, and the actors keep serving {serving}: fix what the "
+            "error names, then have the trainer announce a newer version (or recreate the job)"
+        )
     for name, command in decision.commands.items():
         text = protocol.document(command)
         if annotation(live[name], keys.BARRIER) != text:
