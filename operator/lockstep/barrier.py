@@ -190,14 +190,14 @@ def step(
         # step. No later pass may come to open it: the request of the announcement may be the one this pass serves.
         history = remember(history, record)
         seen = {name: m for name, m in seen.items() if name not in decision.evict}
-    opened = _maybe_open(
+    new = _maybe_open(
         f"{job_uid}/", decision, announced, seen, history, now, timeout_seconds, sender, ranks_per_member, rolling
     )
-    if opened is None:
+    if new is None:
         return decision
-    decision.barrier = opened
+    decision.barrier = new
     decision.notes.append(
-        f"opened barrier {opened.id} for weights version {opened.version} with {len(opened.members)} member(s)"
+        f"opened barrier {new.id} for weights version {new.version} with {len(new.members)} member(s)"
     )
     if decision.record is None:
         _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
@@ -216,7 +216,8 @@ def _with_commands(decision: Decision, seen: dict[str, Member]) -> Decision:
 def opened_so_far(opened: int, barrier: BarrierStatus | None, history: list[BarrierRecord]) -> int:
     """Barriers opened over the job's life: ``opened`` (status.barriersOpened), or more when the open barrier or
     the history has a larger number (a status written before the count existed)."""
-    return max([opened, *(_number(b.id) for b in [*history, *([barrier] if barrier else [])])])
+    ids = [record.id for record in history] + ([barrier.id] if barrier else [])
+    return max([opened, *(_number(barrier_id) for barrier_id in ids)])
 
 
 def _number(barrier_id: str) -> int:
