@@ -232,3 +232,21 @@ def test_a_version_that_keeps_failing_stalls_the_job_naming_it_and_a_newer_one_r
     resumed = plan_for({**body, "status": status_of(stalled)}, pods, now=now + dt.timedelta(hours=1))
     assert resumed.status.barrier is not None and resumed.status.barrier.version == 5, "a newer version opens"
     assert condition(resumed, READY) == ("True", "AllPodsReady")
+
+
+def test_a_final_version_that_stalls_fails_the_job_instead_of_waiting_for_ever() -> None:
+    from lockstep.barrier import STALL_AFTER_FAILURES
+
+    body, pods = settle(job(weightSync={"onTimeout": "EvictStraggler"}))
+    record = {"version": 7, "outcome": "Failed", "seconds": 1.0, "phaseSeconds": {}, "members": 2, "error": "boom"}
+    history = [{**record, "id": f"uid-1/7/{n + 1}", "finishedAt": "2026-01-01T00:00:00.000Z"} for n in range(5)]
+    assert len(history) == STALL_AFTER_FAILURES
+    body = {**body, "status": {**body.get("status", {}), "barrierHistory": history, "barriersOpened": 5}}
+    announce(pods[2], 7)
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    done = plan_for(body, pods, now=NOW + dt.timedelta(days=400))
+    assert done.status.phase is Phase.FAILED and condition(done, READY) == ("False", "WeightUpdateStalled")
+    assert (
+        "weights version 7 failed in 5 barrier(s) in a row (the last: boom)"
+        in find(done.status.conditions, READY).message
+    )  # type: ignore[union-attr]

@@ -113,11 +113,16 @@ def with_committed_weights(run: Pass, pod: dict[str, Any]) -> dict[str, Any]:
 
 def finish_training(run: Pass, spec: RLJobSpec, config: EffectiveConfig, children: Children) -> None:
     """Rank 0 has completed: carry its last announced weights to every actor (unless the ParityPolicy holds
-    weight updates), then succeed. An actor lost meanwhile is recreated so that the update has members."""
+    weight updates), then succeed; fail if that last version stalled (lockstep.barrier.held_back). An actor lost
+    meanwhile is recreated so that the update has members."""
     rank0 = children.rank0
     assert rank0 is not None
     updates = budget.check(run, spec, config, rank0)
     if step(run, spec, children.pods, ranks_per_member(config), updates) is Next.DONE:
+        return
+    if run.updates_stalled is not None:
+        # The trainer is done and its last version stalled: nothing more will come to load, so the job ends.
+        completion.finish_job(run, spec, Phase.FAILED, Reason.WEIGHT_UPDATE_STALLED, run.updates_stalled)
         return
     announced = _announcement(run, rank0, spec.weight_sync.backend.collective)  # reported once, by step
     final = announced.version if announced is not None else None
