@@ -55,11 +55,29 @@ BAD_SPECS = {
         }
     },
     "bad env": {"trainer": {"image": "t", "reward": "m:f", "env": [{"name": "MY VAR", "value": "1"}, {"value": "2"}]}},
+    "a mount of the shared volume": {
+        "actors": {
+            "image": "a",
+            "volumeMounts": [
+                {"name": "lockstep-shared", "mountPath": "/mnt/all"},
+                {"name": "lockstep-shared", "mountPath": "/mnt/other", "subPath": "uid-of-another-job"},
+            ],
+        }
+    },
+    "numerics and code env": {
+        "actors": {
+            "image": "a",
+            "env": [{"name": "VLLM_ATTENTION_BACKEND", "value": "TORCH_SDPA"}, {"name": "PYTHONPATH", "value": "/x"}],
+        }
+    },
 }
 BAD_NAMES = {"dotted name": "my.job"}
 GOOD_SPECS = {
     "a lora job": {"trainer": {"image": "t", "reward": "m:f", "lora": {"rank": 8, "targetModules": ["q_proj"]}}},
     "a whole number written as a float": {"trainer": {"image": "t", "reward": "m:f", "rollout": {"maxTokens": 16.0}}},
+    "a vLLM variable that changes no number": {
+        "actors": {"image": "a", "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}]}
+    },
     "a dataset file name over 255 characters": {
         "trainer": {"image": "t", "reward": "m:f", "dataset": {"train": f"/tmp/{'x' * 300}.jsonl"}}
     },

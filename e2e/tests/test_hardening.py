@@ -474,3 +474,62 @@ def test_weights_announced_while_a_barrier_resumes_open_the_next_one_as_it_close
     finally:
         watch.close()
     assert (status.get("barrier") or {}).get("version") == 2, "the status write that closed barrier 1 opens barrier 2"
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        {keys.MISMATCH: '{"protocol": 2, "step": 3, "meanAbsLogprobDiff": Infinity, "tokenFraction": 1.0}'},
+        {keys.EVALUATION: '{"protocol": 2, "version": 1180591620717411303424, "reward": NaN, "rows": 20}'},
+    ],
+    ids=["infinite-mismatch", "nan-evaluation"],
+)
+def test_a_non_finite_trainer_report_is_named_and_the_weight_updates_go_on(
+    kube: client.ApiClient, namespace: str, report: dict[str, str]
+) -> None:
+    """Issue 37 item 1: such a report made every status write fail (400 invalid JSON patch, or 422), with no
+    condition and no Event, and barriers never committed; under onExceeded: Fail, Infinity deleted the pods."""
+    actors = running_job(kube, namespace, "diverged", 1)
+    client.CoreV1Api(pod_client(kube, namespace, "diverged-trainer-0")).patch_namespaced_pod(
+        "diverged-trainer-0", namespace, {"metadata": {"annotations": report}}
+    )
+    push_weights(kube, namespace, "diverged", actors, 1)  # a barrier commits while the report stands
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "diverged"), "TrainerReportsValid").get("status") == "False",
+        "TrainerReportsValid=False",
+    )
+    [key] = report
+    message = condition(get_job(kube, namespace, "diverged"), "TrainerReportsValid")["message"]
+    assert message.startswith(f"{key} on the trainer is not a valid "), message
+    events = [e.message for e in events_for(kube, namespace, "diverged") if e.reason == "InvalidTrainerReport"]
+    assert events and f"{key} on the trainer" in events[0]
+    assert phase(get_job(kube, namespace, "diverged")) == "Running"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("volumeMounts", {"name": "lockstep-shared", "mountPath": "/mnt/all"}, "volume lockstep-shared belongs to"),
+        (
+            "volumeMounts",
+            {"name": "lockstep-shared", "mountPath": "/mnt/other", "subPath": str(uuid.UUID(int=7))},
+            "holds the weights of every job",
+        ),
+        ("env", {"name": "VLLM_ATTENTION_BACKEND", "value": "TORCH_SDPA"}, "would change what vLLM computes"),
+        ("env", {"name": "PYTHONPATH", "value": "/mnt/mine"}, "PYTHONPATH and PYTHONHOME are set by the image"),
+    ],
+    ids=["shared-volume-whole", "another-jobs-directory", "vllm-numerics", "pythonpath"],
+)
+def test_a_job_may_not_mount_the_operators_volumes_nor_set_numerics_or_code_variables(
+    kube: client.ApiClient, namespace: str, field: str, value: dict[str, str], words: str
+) -> None:
+    """Issue 37 item 3 and its VLLM_*/PYTHONPATH risk: refused on create and on update, by the CRD itself."""
+    body = rljob("overreach", actors=1)
+    body["spec"]["actors"][field] = [value]
+    with pytest.raises(ApiException) as refused:
+        create_job(kube, namespace, body)
+    assert refused.value.status == 422 and words in json.loads(refused.value.body)["message"]
+    create_job(kube, namespace, rljob("overreach", actors=1))
+    with pytest.raises(ApiException) as updated:
+        patch_job(kube, namespace, "overreach", {"spec": {"actors": {field: [value]}}})
+    assert updated.value.status == 422 and words in json.loads(updated.value.body)["message"]

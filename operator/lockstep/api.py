@@ -326,6 +326,14 @@ RESERVED_ENV_RULE = cel(
     message_expression=f"self + '{environment.RESERVED_ENV_WHY}'",
 )
 """The job's env may not take over a variable the operator sets (``environment.reserved_env``)."""
+LOCKED_ENV_RULE = cel(
+    f"!(self.startsWith('{environment.VLLM_PREFIX}') && !(self in {_cel_strings(environment.ALLOWED_VLLM_ENV)})) "
+    f"&& !(self in {_cel_strings(environment.CODE_PATH_NAMES)})",
+    "this variable would change what vLLM computes or the code the image runs, behind the lock of the ParityPolicy; "
+    "remove it from env",
+    message_expression=f"self + '{environment.LOCKED_ENV_WHY}'",
+)
+"""The job's env may not change vLLM's numerics or the code a worker runs (``environment.locked_env``)."""
 
 
 def _reserved_mount_cel() -> str:
@@ -348,6 +356,15 @@ RESERVED_VOLUME_RULE = cel(
     f"volume names starting with {environment.RESERVED_VOLUME_PREFIX} are the Lockstep operator's; rename the volume",
     message_expression=f"'volume ' + self + '{environment.RESERVED_VOLUME_WHY}'",
 )
+"""The job's volumes may not take an operator volume's name (``environment.reserved_volume``)."""
+RESERVED_VOLUME_MOUNT_RULE = cel(
+    f"!self.startsWith('{environment.RESERVED_VOLUME_PREFIX}')",
+    f"volumes named {environment.RESERVED_VOLUME_PREFIX}* are the Lockstep operator's (lockstep-shared holds every "
+    "job's weights); mount a volume of the job's own",
+    message_expression=f"'volume ' + self + '{environment.RESERVED_VOLUME_MOUNT_WHY}'",
+)
+"""The job's volumeMounts may not mount an operator volume (``environment.reserved_volume``): the shared volume
+whole, or another job's directory of it by subPath."""
 MAX_PASSED_THROUGH = 128
 """The most volumes, volumeMounts or env entries a role may add: the API server needs bounds on the lists and
 strings these rules read, to cost them."""
@@ -355,11 +372,14 @@ MAX_NAME_LENGTH = 256
 """The longest environment variable name a role may add."""
 
 
-def _passed_through(key: str, description: str, rule: dict[str, str], max_length: int) -> dict[str, Any]:
-    """A list of core objects passed through to pods as they are, with ``key`` (a string of at most ``max_length``
-    characters, ``description``) declared so that ``rule`` checks it."""
-    declared = {"type": "string", "maxLength": max_length, "description": description, **validations(rule)}
-    item = {**OPAQUE_OBJECT, "properties": {key: declared}}
+def _passed_through(*keys: tuple[str, str, dict[str, str], int]) -> dict[str, Any]:
+    """A list of core objects passed through to pods as they are, with each of ``keys`` (its name, its description,
+    the rule that checks it, its longest length) declared as a string so that its rule checks it."""
+    declared = {
+        key: {"type": "string", "maxLength": max_length, "description": description, **validations(rule)}
+        for key, description, rule, max_length in keys
+    }
+    item = {**OPAQUE_OBJECT, "properties": declared}
     return {"type": "array", "maxItems": MAX_PASSED_THROUGH, "items": item}
 
 
@@ -380,8 +400,10 @@ class EnvVar(Model):
 
     name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=MAX_NAME_LENGTH)] = Field(
         description="The variable's name; not one the operator sets (LOCKSTEP_*, POD_NAME, POD_NAMESPACE, and the "
-        "torch.distributed rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK).",
-        json_schema_extra=validations(RESERVED_ENV_RULE),
+        "torch.distributed rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), nor one that changes "
+        "what vLLM computes or the code the image runs (VLLM_* but those that size memory and threads or set logs, "
+        "PYTHONPATH, PYTHONHOME).",
+        json_schema_extra=validations(RESERVED_ENV_RULE, LOCKED_ENV_RULE),
     )
     value: str | None = Field(None, description="The value; unset with valueFrom.")
     value_from: dict[str, Any] | None = Field(
@@ -415,7 +437,7 @@ class PodOverrides(Model):
         max_length=MAX_PASSED_THROUGH,
         description="Volumes added to the role's pods, as in a pod (e.g. the model's, at spec.model.uri); names "
         "starting with lockstep- are the operator's.",
-        json_schema_extra=_passed_through("name", "The volume's name, as in a pod.", RESERVED_VOLUME_RULE, 63),
+        json_schema_extra=_passed_through(("name", "The volume's name, as in a pod.", RESERVED_VOLUME_RULE, 63)),
     )
     volume_mounts: list[dict[str, Any]] | None = Field(
         None,
@@ -423,9 +445,16 @@ class PodOverrides(Model):
         description="Mounts of those volumes in the role's container, as in a pod. The operator mounts "
         "/etc/lockstep (the effective configuration) and /var/lib/lockstep (spec.weightSync.volume) itself: nothing "
         "may be mounted at or under them. It also mounts emptyDirs on the read-only root filesystem at /tmp, "
-        "/home/lockstep and (GPU pods) /dev/shm, which a mount here at the same path replaces.",
+        "/home/lockstep and (GPU pods) /dev/shm, which a mount here at the same path replaces. A volume named "
+        "lockstep-* is the operator's and may not be mounted here.",
         json_schema_extra=_passed_through(
-            "mountPath", "Where the volume appears in the container, as in a pod.", RESERVED_MOUNT_RULE, 1024
+            (
+                "name",
+                "The mounted volume's name; not one of the operator's (lockstep-*).",
+                RESERVED_VOLUME_MOUNT_RULE,
+                63,
+            ),
+            ("mountPath", "Where the volume appears in the container, as in a pod.", RESERVED_MOUNT_RULE, 1024),
         ),
     )
 
@@ -940,8 +969,14 @@ class RLJobSpec(Model):
 class BarrierStatus(Model):
     """The open barrier, as recorded in ``RLJob.status.barrier``."""
 
-    id: str = Field(description="<job uid>/<version>: names the barrier in every command and ack")
+    id: str = Field(
+        description="<job uid>/<version>/<n>: names the barrier in every command and ack; n counts the barriers "
+        "opened over the job's life (status.barriersOpened), so no two barriers of a job share an id"
+    )
     version: int = Field(description="the weights version being loaded")
+    attempt: int = Field(
+        1, description="collective backends: the attempt at this version's transfer (a retry is a new barrier)"
+    )
     uri: str = Field(description="where the weights are (a directory on the shared volume, or a manifest URL)")
     digest: str = Field(description="sha256 of the weights, checked by every member")
     bytes: int | None = Field(None, description="the version's size in bytes, as the trainer announced it")
@@ -1011,6 +1046,10 @@ class BarrierRecord(Model):
         None,
         description="why an interrupted barrier closed: Suspended, QuotaExceeded, or Kueue's reason (Preempted...)",
     )
+    finished_at: str | None = Field(None, description="when the barrier closed (RFC 3339)")
+    error: str | None = Field(
+        None, description="why a failed barrier failed: the members' errors, or the transfer's, in words"
+    )
 
 
 class ConditionStatus(StrEnum):
@@ -1074,6 +1113,9 @@ class RLJobStatus(Model):
     lag: int | None = Field(None, description="Newest announced version minus the oldest version an actor serves.")
     barrier: BarrierStatus | None = Field(None, description="The weight update in flight.")
     barrier_history: list[BarrierRecord] = Field(default_factory=list, description="The most recent barriers.")
+    barriers_opened: int = Field(
+        0, description="Barriers opened over the job's life: the last part of the newest barrier's id."
+    )
     mismatch: Mismatch | None = Field(None, description="The trainer's last parity measurement.")
     evaluation: EvalResult | None = Field(None, description="The trainer's last evaluation (spec.trainer.eval).")
     preflight: PreflightResult | None = Field(None, description="The preflight parity check's result.")

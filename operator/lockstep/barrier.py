@@ -25,6 +25,54 @@ MEMBER_RETRIES = 2
 """How often a barrier asks a member again after it reported an error (the error may be transient) before the
 member is a straggler."""
 NEXT_PHASE = {BarrierPhase.PAUSE: BarrierPhase.UPDATE, BarrierPhase.UPDATE: BarrierPhase.RESUME}
+STALL_AFTER_FAILURES = 5
+"""Failed barriers in a row for one version after which none opens for it again (``held_back``): the members
+keep serving the committed version until the trainer announces a newer one. A collective transfer's attempts each
+count, so this is more than TRANSFER_ATTEMPTS."""
+BACKOFF_SECONDS = 10.0
+BACKOFF_LIMIT_SECONDS = 300.0
+"""After k failed barriers in a row for one version, the next opens BACKOFF_SECONDS * 2^(k-1) seconds after the
+last one closed, at most BACKOFF_LIMIT_SECONDS."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why no barrier may open now for a version that failed in a row (``held_back``)."""
+
+    version: int
+    failures: int
+    error: str | None
+    until: dt.datetime | None
+    """When a barrier may open again; None: stalled, none opens for this version."""
+
+    def words(self) -> str:
+        last = f" (the last: {self.error})" if self.error else ""
+        return f"weights version {self.version} failed in {self.failures} barrier(s) in a row{last}"
+
+
+def held_back(history: list[BarrierRecord], version: int, now: dt.datetime) -> Hold | None:
+    """Whether a new barrier for ``version`` must wait, from the barrier history alone: after k failed barriers in
+    a row for it (since the last completed barrier of any version; interrupted ones do not count), the next opens
+    BACKOFF_SECONDS * 2^(k-1) s (at most BACKOFF_LIMIT_SECONDS) after the last closed, and after
+    STALL_AFTER_FAILURES none does (``until`` None). None: a barrier may open now."""
+    failed: list[BarrierRecord] = []
+    for record in reversed(history):
+        if record.outcome is BarrierOutcome.COMPLETED or (
+            record.outcome is BarrierOutcome.FAILED and record.version != version
+        ):
+            break
+        if record.outcome is BarrierOutcome.FAILED:
+            failed.append(record)
+    if not failed:
+        return None
+    last = failed[0]
+    if len(failed) >= STALL_AFTER_FAILURES:
+        return Hold(version, len(failed), last.error, None)
+    if last.finished_at is None:
+        return None  # recorded before the time was kept: nothing to wait from
+    wait = min(BACKOFF_SECONDS * 2 ** (len(failed) - 1), BACKOFF_LIMIT_SECONDS)
+    until = parse_rfc3339(last.finished_at) + dt.timedelta(seconds=wait)
+    return Hold(version, len(failed), last.error, until) if now < until else None
 
 
 @dataclass(frozen=True)
@@ -50,6 +98,12 @@ class Decision:
     stored: a restarted operator finds the acks where they are."""
     failed: str | None = None
     record: BarrierRecord | None = None
+    opened: int = 0
+    """Barriers opened over the job's life, this step's included (``RLJob.status.barriersOpened``)."""
+    held: Hold | None = None
+    """Why no barrier opened for the version it would have loaded (``held_back``)."""
+    error: str | None = None
+    """Why the members of the open barrier fail, in words, for its record if it fails."""
     notes: list[str] = field(default_factory=list)
     """What happened, in words for Events."""
 
@@ -107,6 +161,7 @@ def step(
     sender: str | None = None,
     ranks_per_member: int = 1,
     rolling: bool = False,
+    opened: int = 0,
 ) -> Decision:
     """Advance the barrier by what the member pods say; open one when weights are newer than committed (also
     right after the open one completed: the next barrier opens in the step that closes the last).
@@ -120,8 +175,11 @@ def step(
     while it waits for the sender (or its replacement), and its ``Update`` forms a new group. A ``rolling``
     barrier (no sender) opens in ``Resume``: each member stages, pauses, swaps and resumes on its own, and the
     barrier completes once every member acked ``Resumed``.
+
+    ``opened`` counts the barriers opened over the job's life; each new one (a retry too) takes the next number as
+    the last part of its id, so an ack for an earlier barrier never answers a later one.
     """
-    decision = Decision(barrier=barrier, committed=committed)
+    decision = Decision(barrier=barrier, committed=committed, opened=opened_so_far(opened, barrier, history))
     seen = {m.name: m for m in members}
     if decision.barrier is not None:
         _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
@@ -132,14 +190,14 @@ def step(
         # step. No later pass may come to open it: the request of the announcement may be the one this pass serves.
         history = remember(history, record)
         seen = {name: m for name, m in seen.items() if name not in decision.evict}
-    opened = _maybe_open(
-        job_uid, decision.committed, announced, seen, history, now, timeout_seconds, sender, ranks_per_member, rolling
+    new = _maybe_open(
+        f"{job_uid}/", decision, announced, seen, history, now, timeout_seconds, sender, ranks_per_member, rolling
     )
-    if opened is None:
+    if new is None:
         return decision
-    decision.barrier = opened
+    decision.barrier = new
     decision.notes.append(
-        f"opened barrier {opened.id} for weights version {opened.version} with {len(opened.members)} member(s)"
+        f"opened barrier {new.id} for weights version {new.version} with {len(new.members)} member(s)"
     )
     if decision.record is None:
         _advance(decision, seen, now, timeout_seconds, on_timeout, ranks_per_member)
@@ -155,9 +213,21 @@ def _with_commands(decision: Decision, seen: dict[str, Member]) -> Decision:
     return decision
 
 
+def opened_so_far(opened: int, barrier: BarrierStatus | None, history: list[BarrierRecord]) -> int:
+    """Barriers opened over the job's life: ``opened`` (status.barriersOpened), or more when the open barrier or
+    the history has a larger number (a status written before the count existed)."""
+    ids = [record.id for record in history] + ([barrier.id] if barrier else [])
+    return max([opened, *(_number(barrier_id) for barrier_id in ids)])
+
+
+def _number(barrier_id: str) -> int:
+    last = barrier_id.rsplit("/", 1)[-1]
+    return int(last) if last.isdigit() else 0
+
+
 def _maybe_open(
-    job_uid: str,
-    committed: Weights | None,
+    prefix: str,
+    decision: Decision,
     announced: Weights | None,
     seen: dict[str, Member],
     history: list[BarrierRecord],
@@ -168,6 +238,7 @@ def _maybe_open(
     rolling: bool,
 ) -> BarrierStatus | None:
     assert not (rolling and sender), "a rolling update has no transfer group"
+    committed = decision.committed
     if sender is not None and sender not in seen:
         return None  # the weights can only come from the sender: wait for it
     receivers = [m for name, m in seen.items() if name != sender]
@@ -181,11 +252,14 @@ def _maybe_open(
         return None
     if not joining:
         return None
-    attempt = 1 + sum(1 for record in history if record.version == target.version)
+    decision.held = held_back(history, target.version, now)
+    if decision.held is not None:
+        return None
+    decision.opened += 1
     stamp = rfc3339(now, milliseconds=True)
     sending = [seen[sender]] if sender is not None else []
     barrier = BarrierStatus(
-        id=f"{job_uid}/{target.version}/{attempt}",
+        id=f"{prefix}{target.version}/{decision.opened}",
         version=target.version,
         uri=target.uri,
         digest=target.digest,
@@ -228,7 +302,7 @@ def _advance(
         errors = _collect_acks(decision, seen)
         cut_off: dict[str, str] = {}
         if (failure := _transfer_failure(barrier, errors)) is not None:
-            if _attempt(barrier) < TRANSFER_ATTEMPTS:
+            if barrier.attempt < TRANSFER_ATTEMPTS:
                 _retry(decision, now, timeout_seconds, failure)
                 return
             cut_off = _waiting_for_weights(barrier, decision.acked, failure)
@@ -274,7 +348,7 @@ def _abandon(decision: Decision, now: dt.datetime) -> None:
     committing its version. The replacements start from the committed weights and a new barrier brings them on."""
     barrier = decision.barrier
     assert barrier is not None
-    decision.record = _record(barrier, BarrierOutcome.FAILED, now)
+    decision.record = _record(barrier, BarrierOutcome.FAILED, now, decision.error or "every member left it")
     decision.notes.append(
         f"barrier {barrier.id} has no member left to load weights version {barrier.version}; it is closed "
         f"without committing that version, and a new barrier opens once the replacements run"
@@ -294,10 +368,6 @@ def _transfer_failure(barrier: BarrierStatus, errors: dict[str, str]) -> str | N
     return "; ".join(reasons) or None
 
 
-def _attempt(barrier: BarrierStatus) -> int:
-    return int(barrier.id.rsplit("/", 1)[1])
-
-
 def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure: str) -> None:
     """Record this attempt as failed and open the next one with the same members, still paused; its Update
     phase forms a new group. A sender that left is waited for, and its replacement sends."""
@@ -305,11 +375,13 @@ def _retry(decision: Decision, now: dt.datetime, timeout_seconds: float, failure
     assert old is not None
     sender = old.sender
     assert sender is not None
-    decision.record = _record(old, BarrierOutcome.FAILED, now)
+    decision.record = _record(old, BarrierOutcome.FAILED, now, failure)
+    decision.opened += 1
     stamp = rfc3339(now, milliseconds=True)
     decision.barrier = BarrierStatus(
-        id=f"{old.id.rsplit('/', 1)[0]}/{_attempt(old) + 1}",
+        id=f"{old.id.rsplit('/', 1)[0]}/{decision.opened}",
         version=old.version,
+        attempt=old.attempt + 1,
         uri=old.uri,
         digest=old.digest,
         bytes=old.bytes,
@@ -365,12 +437,13 @@ def _handle_stragglers(
     barrier = decision.barrier
     assert barrier is not None
     what = "; ".join(f"{name} {why}" for name, why in sorted(stragglers.items()))
+    decision.error = what
     if on_timeout is TimeoutAction.FAIL_JOB:
         decision.failed = (
             f"weight update to version {barrier.version} failed in phase {barrier.phase.value}: {what} "
             "(spec.weightSync.onTimeout: FailJob)"
         )
-        decision.record = _record(barrier, BarrierOutcome.FAILED, now)
+        decision.record = _record(barrier, BarrierOutcome.FAILED, now, what)
         decision.barrier = None
         return False
     for name in stragglers:
@@ -424,7 +497,9 @@ def _form_transfer_group(barrier: BarrierStatus, seen: dict[str, Member], ranks_
     barrier.transfer_world_size = 1 + len(receivers) * ranks_per_member if receivers else None
 
 
-def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -> BarrierRecord:
+def _record(
+    barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime, error: str | None = None
+) -> BarrierRecord:
     slowest = max(barrier.slowest.items(), key=lambda item: barrier.phase_seconds.get(item[0], 0), default=None)
     return BarrierRecord(
         id=barrier.id,
@@ -435,6 +510,8 @@ def _record(barrier: BarrierStatus, outcome: BarrierOutcome, now: dt.datetime) -
         slowest_pod=slowest[1] if slowest else None,
         members=len(barrier.members),
         evicted=barrier.evicted,
+        finished_at=rfc3339(now, milliseconds=True),
+        error=error,
     )
 
 

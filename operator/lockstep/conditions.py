@@ -10,6 +10,7 @@ PARITY_LOCKED = "ParityLocked"
 PARITY_DEGRADED = "ParityDegraded"
 QUEUED = "Queued"  # Kueue: True while the job waits for admission
 WEIGHTS_FIT_MEMORY = "WeightsFitMemory"  # False while the actors' memory limit cannot stage the announced weights
+TRAINER_REPORTS_VALID = "TrainerReportsValid"  # False while the trainer's mismatch or evaluation document is refused
 # kstatus (Flux, kubectl wait, cli-utils) reads these two beside Ready.
 RECONCILING = "Reconciling"
 STALLED = "Stalled"

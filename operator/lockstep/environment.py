@@ -1,10 +1,12 @@
 """What the operator sets up in the worker pods (operator/lockstep/desired.py) and the workers read: the names of
 the environment variables, the ports, and the paths of the operator's own mounts, spelled once for both sides.
 
-A job's own ``env`` and ``volumeMounts`` may not take them over (``reserved_env``, ``reserved_mount``; the CRD
-refuses them with the same rule, ``api.RESERVED_ENV_RULE`` and ``api.RESERVED_MOUNT_RULE``): a user's
-``LOCKSTEP_CONFIG`` would otherwise replace the locked configuration the pod reads, behind the fingerprint it
-still carries."""
+A job's own ``env``, ``volumes`` and ``volumeMounts`` may not take them over (``reserved_env``, ``reserved_mount``,
+``reserved_volume``; the CRD refuses them with the same rules, ``api.RESERVED_ENV_RULE``, ``api.RESERVED_MOUNT_RULE``,
+``api.RESERVED_VOLUME_RULE`` and ``api.RESERVED_VOLUME_MOUNT_RULE``): a user's ``LOCKSTEP_CONFIG`` would otherwise
+replace the locked configuration the pod reads, behind the fingerprint it still carries, and a mount of the
+``lockstep-shared`` volume would expose every job's weights. Nor may a job's ``env`` change what vLLM computes or
+the code the image runs behind the ParityPolicy's lock (``locked_env``, ``api.LOCKED_ENV_RULE``)."""
 
 from __future__ import annotations
 
@@ -86,6 +88,35 @@ TRANSFER_GROUP_PORT = 9501
 """Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0 (``WEIGHTS_GROUP_PORT``)."""
 
 
+VLLM_PREFIX = "VLLM_"
+"""vLLM's environment variables: many choose kernels, backends and precisions (VLLM_ATTENTION_BACKEND,
+VLLM_BATCH_INVARIANT, VLLM_USE_FLASHINFER_SAMPLER, VLLM_FLOAT32_MATMUL_PRECISION, VLLM_PLUGINS...), and every vLLM
+release adds more, so a job may set only those in ALLOWED_VLLM_ENV."""
+ALLOWED_VLLM_ENV = (
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_PREFIX",
+    "VLLM_LOGGING_COLOR",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_LOG_STATS_INTERVAL",
+    "VLLM_DISABLE_LOG_LOGO",
+    "VLLM_NO_USAGE_STATS",
+    "VLLM_DO_NOT_TRACK",
+    "VLLM_ENGINE_READY_TIMEOUT_S",
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "VLLM_CACHE_ROOT",
+    "VLLM_HOST_IP",
+)
+"""The vLLM variables a job may set: they size memory and threads, set logs, telemetry, timeouts and the cache's
+place, and change no number vLLM computes."""
+CODE_PATH_NAMES = ("PYTHONPATH", "PYTHONHOME")
+"""Variables that choose the Python code a worker runs (the images set PYTHONPATH to lockstep_workers' source): a
+job's own would run other code than the image's, behind the parity lock."""
+
+
 RESERVED_ENV_WHY = (
     f" is set by the Lockstep operator itself (it sets every {RESERVED_PREFIX}* variable and "
     f"{', '.join(RESERVED_NAMES)}), so a job may not: remove it from env"
@@ -98,11 +129,34 @@ RESERVED_MOUNT_WHY = (
 """Why a job's mounts are refused, after ``mountPath <their paths>``."""
 RESERVED_VOLUME_WHY = f": names starting with {RESERVED_VOLUME_PREFIX} belong to the Lockstep operator; rename it"
 """Why a job's volumes are refused, after ``volume <their names>``."""
+RESERVED_VOLUME_MOUNT_WHY = (
+    f" belongs to the Lockstep operator (names starting with {RESERVED_VOLUME_PREFIX}): lockstep-shared holds the "
+    f"weights of every job, and the pods of a job see only the directory of their own job, which the operator mounts "
+    f"at {SHARED_MOUNT}/<job uid> itself; mount a volume of the job instead"
+)
+"""Why a job's mount of an operator volume is refused, after ``volume <its name>``."""
+LOCKED_ENV_WHY = (
+    f" would change what vLLM computes or the code the image runs, behind the lock of the ParityPolicy: the settings "
+    f"of vLLM are spec.actors.vllm, which the policy locks, and {' and '.join(CODE_PATH_NAMES)} are set by the image; "
+    f"remove it from env (the {VLLM_PREFIX}* variables a job may set: {', '.join(ALLOWED_VLLM_ENV)})"
+)
+"""Why a job's variable is refused by ``locked_env``, after its name."""
 
 
 def reserved_env(name: str) -> bool:
     """Whether the operator sets (or may set) the variable ``name``, so that a job may not."""
     return name.startswith(RESERVED_PREFIX) or name in RESERVED_NAMES
+
+
+def locked_env(name: str) -> bool:
+    """Whether the variable ``name`` would change vLLM's numerics or the code a worker runs, so a job may not set
+    it: a VLLM_* variable not in ALLOWED_VLLM_ENV, PYTHONPATH or PYTHONHOME."""
+    return (name.startswith(VLLM_PREFIX) and name not in ALLOWED_VLLM_ENV) or name in CODE_PATH_NAMES
+
+
+def reserved_volume(name: str) -> bool:
+    """Whether the volume ``name`` is the operator's, so that a job may neither add nor mount a volume of that name."""
+    return name.startswith(RESERVED_VOLUME_PREFIX)
 
 
 UNCLEAN_PATH_PARTS = ("//", "/./", "/../")

@@ -9,9 +9,31 @@ import json
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import AfterValidator, Field, ValidationError
 
 from lockstep.schema import OPAQUE_OBJECT, Model
+
+INT64_MAX = 2**63 - 1
+MAX_METRICS = 64
+"""The most metrics a ``lockstep.dev/mismatch`` document may carry (the trainer announces the budget's, about 20)."""
+
+
+def _int64(value: int) -> int:
+    if value > INT64_MAX:
+        raise ValueError(f"the number is beyond int64 (at most {INT64_MAX}), which the RLJob status cannot hold")
+    return value
+
+
+Count = Annotated[int, Field(strict=True, ge=0), AfterValidator(_int64)]
+"""A count, a step or a version on the wire: a JSON integer from 0 to int64's largest (what the RLJob status, where
+the operator copies it, can hold); never a bool, a float or a string."""
+Version = Annotated[int, Field(strict=True, ge=1), AfterValidator(_int64)]
+"""A weights version on the wire, counting from 1 (a Count otherwise)."""
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+"""A measurement on the wire: a finite JSON number (an integer too); never NaN, Infinity, a bool or a string, which
+the status could not hold (a JSON patch with NaN is invalid)."""
+Fraction = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
+"""A finite number from 0 to 1."""
 
 PROTOCOL = 2
 """Version of the barrier protocol; every annotation document carries it. 2: a barrier opens in Update (pause,
@@ -28,12 +50,12 @@ class Weights(Model):
     """Published weights: ``lockstep.dev/weights`` (trainer) and ``lockstep.dev/initial-weights`` (operator)."""
 
     protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
-    version: Annotated[int, Field(ge=1)] = Field(description="the weights version, counting from 1")
+    version: Version = Field(description="the weights version, counting from 1")
     uri: Annotated[str, Field(min_length=1)] = Field(
         description="where the weights are: a directory on the shared volume, or the trainer's manifest URL"
     )
     digest: Annotated[str, Field(min_length=1)] = Field(description="sha256:<hex> of the weights")
-    bytes: Annotated[int, Field(ge=0)] | None = Field(
+    bytes: Count | None = Field(
         None,
         description="the size of the version in bytes (its safetensors file): what an actor holds in host memory "
         "once more while it stages the version; unset by trainers that predate it (nothing is checked then)",
@@ -79,18 +101,19 @@ class Mismatch(Model):
     """``lockstep.dev/mismatch``: the train-inference parity the trainer measured on its last step."""
 
     protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
-    step: int = Field(description="the trainer step measured")
-    mean_abs_logprob_diff: float = Field(
+    step: Count = Field(description="the trainer step measured")
+    mean_abs_logprob_diff: Number = Field(
         description="mean |logprob_trainer - logprob_rollout| on sequences sampled wholly under the trainer's weights"
     )
-    token_fraction: float = Field(description="the fraction of the step's tokens that measurement covers")
-    stale_samples_dropped: int = Field(
+    token_fraction: Fraction = Field(description="the fraction of the step's tokens that measurement covers")
+    stale_samples_dropped: Count = Field(
         0,
         description="samples of the step dropped before the loss, and sampled again, because a token was more than "
         "spec.trainer.maxLag versions behind the trainer",
     )
-    metrics: dict[str, float] = Field(
+    metrics: dict[str, Number] = Field(
         default_factory=dict,
+        max_length=MAX_METRICS,
         description="the step's metrics a mismatch budget may name (lockstep.api.BudgetMetric, docs/corrections.md)",
     )
 
@@ -99,22 +122,22 @@ class EvalResult(Model):
     """``lockstep.dev/evaluation``: the trainer's last evaluation (spec.trainer.eval)."""
 
     protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
-    version: int = Field(description="the weights version evaluated (the one its step started from)")
-    reward: float = Field(description="the mean reward of one greedy completion of each eval row")
-    rows: int = Field(description="how many eval rows were sampled")
+    version: Count = Field(description="the weights version evaluated (the one its step started from)")
+    reward: Number = Field(description="the mean reward of one greedy completion of each eval row")
+    rows: Count = Field(description="how many eval rows were sampled")
 
 
 class PreflightResult(Model):
     """``lockstep.dev/preflight``: what the preflight pod measured under the job's effective configuration."""
 
     protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
-    mean_abs_logprob_diff: float = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
-    shared_prefix_mean_abs_logprob_diff: float = Field(
+    mean_abs_logprob_diff: Number = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
+    shared_prefix_mean_abs_logprob_diff: Number = Field(
         description="the same, for requests that share a prompt with earlier ones, after an in-flight weight update"
     )
-    clip_fraction: float = Field(description="tokens whose ratio leaves [1 - 0.2, 1 + 0.2]")
-    outside_top_p_per_thousand: float = Field(description="tokens outside the trainer's top-p set, per 1000")
-    tokens: int = Field(description="tokens sampled and recomputed")
+    clip_fraction: Number = Field(description="tokens whose ratio leaves [1 - 0.2, 1 + 0.2]")
+    outside_top_p_per_thousand: Number = Field(description="tokens outside the trainer's top-p set, per 1000")
+    tokens: Count = Field(description="tokens sampled and recomputed")
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="the vLLM engine arguments the job's settings were applied as, by vLLM's names",
@@ -139,16 +162,32 @@ def document(value: Weights | Command | Ack | Mismatch | EvalResult | PreflightR
 
 
 def read_document(text: str | None, kind: type[DocumentT]) -> DocumentT | str | None:
-    """A protocol document from an annotation: the document, why it is unusable, or None when absent."""
+    """A protocol document from an annotation: the document, why it is unusable (naming the field), or None when
+    absent. Numbers are strict (Count, Number): NaN, Infinity, integers beyond int64, negative counts, and bools or
+    strings where numbers belong are refused, never coerced."""
     if text is None:
         return None
     try:
         value = kind.model_validate(json.loads(text))
-    except (ValueError, ValidationError) as error:
-        return f"is not a valid {kind.__name__} document ({str(error).splitlines()[0]})"
+    except ValidationError as error:
+        return f"is not a valid {kind.__name__} document: {_first_problem(error)}"
+    except ValueError as error:
+        return f"is not a valid {kind.__name__} document (not JSON: {error})"
     if value.protocol != PROTOCOL:
         return f"speaks barrier protocol {value.protocol}; this version speaks {PROTOCOL}"
     return value
+
+
+def _first_problem(error: ValidationError) -> str:
+    """The first of ``error``'s problems, naming its field as written on the wire, e.g. ``metrics.ess: Input
+    should be a finite number (got NaN)``; and how many more there are."""
+    problems = error.errors()
+    first = problems[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the document"
+    got = json.dumps(first["input"], allow_nan=True, default=str) if "input" in first else ""
+    shown = f" (got {got[:60]})" if got and first["type"] != "missing" else ""
+    more = f"; and {len(problems) - 1} more" if len(problems) > 1 else ""
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}{shown}{more}"
 
 
 def parse_ack(text: str | None) -> Ack | str | None:

@@ -3,14 +3,31 @@ workers/tests/test_barrier_simulation.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
+from unittest import mock
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from factories import NOW
 from lockstep import keys
-from lockstep.api import BarrierOutcome, BarrierStatus, TimeoutAction
-from lockstep.barrier import MEMBER_RETRIES, Decision, Member, interrupt, member_of, step
+from lockstep.api import BarrierOutcome, BarrierRecord, BarrierStatus, TimeoutAction
+from lockstep.barrier import (
+    HISTORY_LENGTH,
+    MEMBER_RETRIES,
+    STALL_AFTER_FAILURES,
+    Decision,
+    Member,
+    held_back,
+    interrupt,
+    member_of,
+    remember,
+    step,
+)
 from lockstep.protocol import PROTOCOL, Ack, BarrierPhase, Weights, document
+from lockstep.times import rfc3339
 
 V1 = Weights(version=1, uri="file:///w/v1", digest="sha256:1", bytes=4096)
 V2 = Weights(version=2, uri="file:///w/v2", digest="sha256:2")
@@ -224,7 +241,7 @@ def test_a_broken_transfer_is_retried_in_a_new_group_then_its_receivers_are_stra
     assert regrouped is not None and regrouped.phase is BarrierPhase.UPDATE
     assert regrouped.transfer_ranks == {"trainer": 0, "b": 1}, "a already holds version 1: no rank for it"
 
-    last = regrouped.model_copy(update={"id": "job/1/3"}, deep=True)
+    last = regrouped.model_copy(update={"id": "job/1/3", "attempt": 3}, deep=True)
     updated = Member("a", "uid-a", 1, ack(last, "Updated", loaded_version=1))
     waiting = [updated, Member("b", "uid-b", None, None)]  # the trainer is gone once more
     evicted = run(last.model_copy(deep=True), waiting, sender="trainer", on_timeout=TimeoutAction.EVICT_STRAGGLER)
@@ -280,10 +297,10 @@ def test_weights_announced_while_a_barrier_runs_open_the_next_one_in_the_step_th
     resumed = {n: ack(barrier, "Resumed", loaded_version=1) for n in "ab"}
     done = run(resuming, resumed, seconds=2, loaded=1, announced=V2)
     assert done.committed == V1 and done.record is not None and done.record.outcome == "Completed"
-    assert done.barrier is not None and done.barrier.id == "job/2/1" and done.barrier.phase is BarrierPhase.UPDATE
+    assert done.barrier is not None and done.barrier.id == "job/2/2" and done.barrier.phase is BarrierPhase.UPDATE
     assert set(done.barrier.members) == {"a", "b"} and done.acked == [], "the closed barrier's acks answer not this one"
-    assert {name: c.id for name, c in done.commands.items()} == {"a": "job/2/1", "b": "job/2/1"}
-    assert done.notes[-1] == "opened barrier job/2/1 for weights version 2 with 2 member(s)"
+    assert {name: c.id for name, c in done.commands.items()} == {"a": "job/2/2", "b": "job/2/2"}
+    assert done.notes[-1] == "opened barrier job/2/2 for weights version 2 with 2 member(s)"
     failed = run(resuming, {"a": resumed["a"], "b": None}, seconds=31, loaded=1, announced=V2)
     assert failed.barrier is None and failed.failed is not None, "a failed barrier opens none (the job failed)"
 
@@ -306,3 +323,106 @@ def test_a_members_initial_weights_count_only_as_a_document_of_this_protocol() -
     other_protocol = json.dumps({**json.loads(document(V2)), "protocol": PROTOCOL - 1})
     assert loaded(other_protocol) is None, "another protocol's version is not this one's (protocol.read_document)"
     assert loaded("{not json") is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=30))
+def test_barrier_ids_are_unique_over_the_jobs_life_beyond_the_history_length(completes: list[bool]) -> None:
+    """Issue 37 item 4: ids numbered 1 + the barriers of that version in the history (capped at HISTORY_LENGTH)
+    repeated after 10 failed barriers for one version; a counter in the status numbers them instead. (Failures in a
+    row stall a version now, ``held_back``: here they may go on, turns apart beyond any backoff.)"""
+    history: list[BarrierRecord] = []
+    opened, committed, barrier = 0, None, None
+    ids: list[str] = []
+
+    def at(now: dt.datetime, members: list[Member]) -> None:
+        nonlocal opened, history, committed, barrier
+        version = (committed.version if committed else 0) + 1
+        decision = step(
+            job_uid="job",
+            barrier=barrier,
+            committed=committed,
+            announced=Weights(version=version, uri="file:///w", digest="sha256:x"),
+            members=members,
+            history=history,
+            now=now,
+            timeout_seconds=30,
+            on_timeout=TimeoutAction.EVICT_STRAGGLER,
+            opened=opened,
+        )
+        opened, committed, barrier = decision.opened, decision.committed, decision.barrier
+        history = remember(history, decision.record)
+        if barrier is not None and barrier.id not in ids[-1:]:
+            ids.append(barrier.id)
+
+    with mock.patch("lockstep.barrier.STALL_AFTER_FAILURES", HISTORY_LENGTH * 10):
+        for turn, complete in enumerate([*completes, *[False] * (HISTORY_LENGTH + 2)]):
+            now = NOW + dt.timedelta(seconds=1000 * turn)
+            pods = [Member(name, f"uid-{name}-{turn}", committed.version if committed else None, None) for name in "ab"]
+            at(now, pods)
+            assert barrier is not None
+            if complete:
+                loaded = barrier.version
+                updated = [dataclasses.replace(p, ack=ack(barrier, "Updated", loaded_version=loaded)) for p in pods]
+                at(now + dt.timedelta(seconds=1), updated)
+                assert barrier is not None
+                resumed = [dataclasses.replace(p, ack=ack(barrier, "Resumed", loaded_version=loaded)) for p in pods]
+                at(now + dt.timedelta(seconds=2), resumed)
+            else:
+                at(now + dt.timedelta(seconds=50), pods)  # past the deadline: both members evicted, the barrier fails
+            barrier = None  # the next turn's pods are new
+    assert len(ids) == len(set(ids)), f"a barrier id repeated: {ids}"
+    assert opened == len(ids)
+
+
+def failed(version: int, seconds: float, error: str = "a reported error: size mismatch") -> BarrierRecord:
+    finished = rfc3339(NOW + dt.timedelta(seconds=seconds), milliseconds=True)
+    return BarrierRecord(
+        id=f"job/{version}/{seconds}",
+        version=version,
+        outcome=BarrierOutcome.FAILED,
+        seconds=1.0,
+        phase_seconds={},
+        members=1,
+        finished_at=finished,
+        error=error,
+    )
+
+
+def test_a_version_that_keeps_failing_backs_off_then_stalls_and_a_newer_one_starts_afresh() -> None:
+    """Issue 37, risk: a version no actor could load gave 11 barriers and 12 pod replacements in 70 s. Failed
+    barriers in a row for one version wait 10 s, 20 s, 40 s, 80 s before the next; after 5, none opens."""
+    assert STALL_AFTER_FAILURES == 5
+    history: list[BarrierRecord] = []
+    for k, wait in enumerate([10, 20, 40, 80], start=1):
+        history.append(failed(7, 1000 * k))
+        last = NOW + dt.timedelta(seconds=1000 * k)
+        hold = held_back(history, 7, last + dt.timedelta(seconds=wait - 1))
+        assert hold is not None and hold.failures == k and hold.until == last + dt.timedelta(seconds=wait)
+        assert held_back(history, 7, last + dt.timedelta(seconds=wait)) is None, "the wait is over"
+    history.append(failed(7, 5000, "actor-0 reported error: size of tensor a (128) must match (256)"))
+    stalled = held_back(history, 7, NOW + dt.timedelta(days=1))
+    assert stalled is not None and stalled.until is None and stalled.failures == 5
+    assert stalled.words() == (
+        "weights version 7 failed in 5 barrier(s) in a row (the last: actor-0 reported error: size of tensor a (128) "
+        "must match (256))"
+    )
+    assert held_back(history, 8, NOW + dt.timedelta(days=1)) is None, "a newer version starts afresh"
+    interrupted = failed(7, 5001).model_copy(update={"outcome": BarrierOutcome.INTERRUPTED})
+    assert held_back([*history, interrupted], 7, NOW + dt.timedelta(days=1)) is not None, "an interruption is no fix"
+    completed = failed(6, 5002).model_copy(update={"outcome": BarrierOutcome.COMPLETED})
+    assert held_back([*history, completed], 7, NOW + dt.timedelta(days=1)) is None, "a completed barrier resets"
+    assert held_back([*history, failed(8, 5003)], 7, NOW + dt.timedelta(days=1)) is None
+
+
+def test_a_failed_barrier_records_when_and_why() -> None:
+    barrier = run(None, {"a": None}).barrier
+    assert barrier is not None
+    error = ack(barrier, "Updated", error="cannot load: size mismatch")
+    for retry in range(MEMBER_RETRIES + 1):
+        decision = run(barrier.model_copy(deep=True), {"a": error}, on_timeout=TimeoutAction.EVICT_STRAGGLER)
+        barrier = decision.barrier or barrier
+        error = ack(barrier, "Updated", error="cannot load: size mismatch", retry=retry + 1)
+    record = decision.record
+    assert record is not None and record.outcome is BarrierOutcome.FAILED and record.finished_at is not None
+    assert record.error is not None and "cannot load: size mismatch" in record.error

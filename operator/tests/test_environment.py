@@ -107,3 +107,56 @@ def test_a_job_that_takes_over_the_operators_settings_runs_no_pods_and_says_whic
         f"spec.trainer.volumeMounts[0].mountPath: mountPath /etc/lockstep{environment.RESERVED_MOUNT_WHY}; "
         "no pods run until it is fixed"
     )
+
+
+@given(st.sampled_from(["lockstep-shared", "lockstep-tmp", "lockstep-config", "lockstep-", "lockstep", "models", "x"]))
+def test_the_crd_and_the_operator_refuse_the_same_mounted_volumes(name: str) -> None:
+    refused = bool(crd_errors({"volumeMounts": [{"name": name, "mountPath": "/mnt/all"}]}))
+    assert refused == environment.reserved_volume(name), name
+
+
+def test_a_mount_of_the_shared_volume_whole_or_of_another_jobs_directory_is_refused_saying_why() -> None:
+    """Issue 37 item 3: spec.actors.volumeMounts could name lockstep-shared, mounting every job's weights
+    read-write (whole, or another job's by subPath); the reserved-name rule covered volumes only."""
+    whole = {"name": "lockstep-shared", "mountPath": "/mnt/all"}
+    other = {"name": "lockstep-shared", "mountPath": "/mnt/other", "subPath": "uid-of-another-job"}
+    why = f"volume lockstep-shared{environment.RESERVED_VOLUME_MOUNT_WHY}"
+    assert crd_errors({"volumeMounts": [{"name": "models", "mountPath": "/models"}, whole, other]}) == [
+        f'spec.actors.volumeMounts[1].name: Invalid value: "lockstep-shared": {why}',
+        f'spec.actors.volumeMounts[2].name: Invalid value: "lockstep-shared": {why}',
+    ]
+    assert "the weights of every job" in why and "/var/lib/lockstep/<job uid>" in why
+    body = job()
+    body["spec"]["actors"]["volumeMounts"] = [whole]
+    plan = reconcile(Observed(body, [], [policy()], {}, NOW))
+    ready = find(plan.status.conditions, READY)
+    assert not plan.create_pods and ready is not None and ready.reason == "InvalidSpec"
+    assert f"spec.actors.volumeMounts[0].name: {why}" in ready.message
+
+
+@given(
+    st.sampled_from(
+        [
+            "VLLM_ATTENTION_BACKEND",
+            "VLLM_BATCH_INVARIANT",
+            "VLLM_USE_FLASHINFER_SAMPLER",
+            "VLLM_FLOAT32_MATMUL_PRECISION",
+            "VLLM_PLUGINS",
+            "VLLM_",
+            "VLLM_CPU_KVCACHE_SPACE",
+            "VLLM_LOGGING_LEVEL",
+            "VLLM_CPU_KVCACHE_SPACEX",
+            "PYTHONPATH",
+            "PYTHONHOME",
+            "PYTHONUNBUFFERED",
+            "NCCL_DEBUG",
+            "XVLLM_ATTENTION_BACKEND",
+        ]
+    )
+)
+def test_the_crd_and_the_operator_refuse_the_same_numerics_and_code_variables(name: str) -> None:
+    """Issue 37, risk: VLLM_* variables change vLLM's numerics, and PYTHONPATH the code, behind the parity lock."""
+    errors = crd_errors({"env": [{"name": name, "value": "1"}]})
+    assert bool(errors) == environment.locked_env(name), name
+    if errors:
+        assert errors == [f'spec.actors.env[0].name: Invalid value: "{name}": {name}{environment.LOCKED_ENV_WHY}']

@@ -84,4 +84,4 @@ def test_an_announcement_may_leave_out_its_size_but_not_give_a_negative_one() ->
     parsed = read_document(older, Weights)
     assert isinstance(parsed, Weights) and parsed.bytes is None
     negative = read_document(older[:-1] + ',"bytes":-1}', Weights)
-    assert negative == "is not a valid Weights document (1 validation error for Weights)"
+    assert negative == "is not a valid Weights document: bytes: Input should be greater than or equal to 0 (got -1)"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from factories import job, policy
 from lockstep import keys
 from lockstep.conditions import find
@@ -128,3 +130,85 @@ def test_fail_ends_the_job_over_budget_naming_the_breach_and_closes_the_open_bar
     within = {**measured, "metrics": {"rollout_is_eff_sample_size": 0.5}}
     pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(within)
     assert plan_for({**body, "status": status_of(opened)}, pods, policies=[failing]).status.phase.value == "Running"
+
+
+GOOD = {"protocol": PROTOCOL, "step": 4, "meanAbsLogprobDiff": 0.001, "tokenFraction": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        (json.dumps({**GOOD, "meanAbsLogprobDiff": float("inf")}), "meanAbsLogprobDiff: Input should be a finite"),
+        (json.dumps({**GOOD, "metrics": {"ess": float("nan")}}), "metrics.ess: Input should be a finite number"),
+        (json.dumps({**GOOD, "step": 1180591620717411303424}), "step: the number is beyond int64"),
+        (json.dumps({**GOOD, "staleSamplesDropped": -1}), "staleSamplesDropped: Input should be greater than or equal"),
+        (
+            json.dumps({**GOOD, "meanAbsLogprobDiff": "0.5"}),
+            'meanAbsLogprobDiff: Input should be a valid number (got "0.5")',
+        ),
+        (json.dumps({**GOOD, "tokenFraction": True}), "tokenFraction: Input should be a valid number (got true)"),
+        (
+            json.dumps({**GOOD, "metrics": {f"m{n}": 0.0 for n in range(1000)}}),
+            "metrics: Dictionary should have at most 64",
+        ),
+    ],
+)
+def test_a_refused_mismatch_report_is_named_in_a_condition_and_the_jobs_other_work_goes_on(
+    text: str, field: str
+) -> None:
+    """Issue 37 item 1: NaN, Infinity, integers beyond int64, negative counts, strings and bools in the trainer's
+    mismatch report made every status write fail (400 invalid JSON patch, 422) and barriers never committed; under
+    onExceeded: Fail, Infinity failed the job. The report is refused, naming its field, and the rest goes on."""
+    failing = policy(trainer={"mismatchBudget": {"meanAbsLogprobDiff": 0.01, "onExceeded": "Fail"}})
+    body, pods = settle(job())
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(GOOD)
+    good = plan_for(body, pods, policies=[failing])
+    assert condition(good, "TrainerReportsValid") == ("True", "ReportsValid")
+    body = {**body, "status": status_of(good)}
+    announce(pods[2], 5)
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = text
+
+    refused = plan_for(body, pods, policies=[failing])
+    assert condition(refused, "TrainerReportsValid") == ("False", "InvalidTrainerReport")
+    [event] = [e for e in refused.events if e.reason == "InvalidTrainerReport"]
+    assert (
+        event.type == "Warning"
+        and f"lockstep.dev/mismatch on the trainer is not a valid Mismatch document: {field}" in event.message
+    )
+    assert refused.status.phase.value == "Running" and not refused.delete_pods, "onExceeded: Fail is not triggered"
+    assert refused.status.mismatch == good.status.mismatch, "the last valid report stays"
+    assert refused.status.barrier is not None and refused.status.barrier.version == 5, "weight updates go on"
+    json.dumps(status_of(refused), allow_nan=False)  # the status write is a valid JSON patch
+    again = plan_for({**body, "status": status_of(refused)}, pods, policies=[failing])
+    assert not [e for e in again.events if e.reason == "InvalidTrainerReport"], "reported once, not per pass"
+
+
+def test_a_refused_evaluation_is_named_in_the_condition_and_the_last_valid_one_stays() -> None:
+    body, pods = settle(job())
+    pods[2]["metadata"]["annotations"][keys.EVALUATION] = json.dumps(
+        {"protocol": PROTOCOL, "version": 5, "reward": 0.35, "rows": 20}
+    )
+    good = plan_for(body, pods)
+    pods[2]["metadata"]["annotations"][keys.EVALUATION] = '{"protocol": 2, "version": 6, "reward": NaN, "rows": 20}'
+    refused = plan_for({**body, "status": status_of(good)}, pods)
+    assert condition(refused, "TrainerReportsValid") == ("False", "InvalidTrainerReport")
+    message = find(refused.status.conditions, "TrainerReportsValid").message  # type: ignore[union-attr]
+    assert (
+        "lockstep.dev/evaluation on the trainer is not a valid EvalResult document: "
+        "reward: Input should be a finite number (got NaN)" in message
+    )
+    assert refused.status.evaluation == good.status.evaluation
+    pods[2]["metadata"]["annotations"][keys.EVALUATION] = json.dumps(
+        {"protocol": PROTOCOL, "version": 6, "reward": 0.5, "rows": 20}
+    )
+    fixed = plan_for({**body, "status": status_of(refused)}, pods)
+    assert condition(fixed, "TrainerReportsValid") == ("True", "ReportsValid")
+
+
+def test_only_the_metrics_a_budget_may_name_reach_the_status() -> None:
+    """Issue 37 item 1: every metric key of a report was copied into the status (1000 of them)."""
+    body, pods = settle(job())
+    metrics = {"ess": 0.9, "k3_kl": 0.01, **{f"made_up_{n}": 1.0 for n in range(40)}}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps({**GOOD, "metrics": metrics})
+    status = plan_for(body, pods).status
+    assert status.mismatch is not None and status.mismatch.metrics == {"ess": 0.9, "k3_kl": 0.01}

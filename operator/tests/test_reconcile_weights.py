@@ -188,3 +188,65 @@ def test_weights_the_actors_cannot_stage_wait_announced_until_a_raised_memory_li
     opened = plan_for({**body, "status": status_of(recreated)}, [*actors, pods[2]])
     assert opened.status.barrier is not None and opened.status.barrier.version == 3, "the same announcement"
     assert condition(opened, WEIGHTS_FIT_MEMORY) == ("True", "WithinMemoryLimit")
+
+
+def test_a_version_that_keeps_failing_stalls_the_job_naming_it_and_a_newer_one_resumes() -> None:
+    """Issue 37, risk: a version no actor could load gave 11 barriers and 12 pod replacements in 70 s, with
+    Ready=True and Stalled=False. After STALL_AFTER_FAILURES failed barriers in a row none opens for it; the actors
+    keep serving the committed version, and Ready=False WeightUpdateStalled (so Stalled=True) says which and why."""
+    from lockstep.barrier import STALL_AFTER_FAILURES
+
+    body, pods = settle(job(weightSync={"onTimeout": "EvictStraggler"}))
+    announce(pods[2], 3)
+    body, now = carry_barrier(body, pods, 3)
+    body = {**body, "status": status_of(plan_for(body, pods, now=now))}
+    error = "demo-actor-0 reported error: size of tensor a (128) must match (256)"
+    records = [
+        {
+            "id": f"uid-1/4/{n + 2}",
+            "version": 4,
+            "outcome": "Failed",
+            "seconds": 1.0,
+            "phaseSeconds": {},
+            "members": 2,
+            "finishedAt": "2026-01-01T00:00:00.000Z",
+            "error": error,
+        }
+        for n in range(STALL_AFTER_FAILURES)
+    ]
+    body["status"]["barrierHistory"] = [*body["status"]["barrierHistory"], *records]
+    announce(pods[2], 4)
+    stalled = plan_for(body, pods, now=now + dt.timedelta(hours=1))
+    assert stalled.status.barrier is None and stalled.status.weights_version == 3 and not stalled.delete_pods
+    assert stalled.status.phase is Phase.RUNNING
+    assert condition(stalled, READY) == ("False", "WeightUpdateStalled")
+    assert condition(stalled, "Stalled") == ("True", "WeightUpdateStalled")
+    message = find(stalled.status.conditions, "Stalled").message  # type: ignore[union-attr]
+    assert f"weights version 4 failed in {STALL_AFTER_FAILURES} barrier(s) in a row (the last: {error})" in message
+    assert "the actors keep serving version 3" in message
+
+    one = {**body, "status": {**body["status"], "barrierHistory": body["status"]["barrierHistory"][:-4]}}
+    waiting = plan_for(one, pods, now=now + dt.timedelta(hours=1))
+    assert waiting.status.barrier is not None, "one failure long ago: the backoff is over"
+    announce(pods[2], 5)
+    resumed = plan_for({**body, "status": status_of(stalled)}, pods, now=now + dt.timedelta(hours=1))
+    assert resumed.status.barrier is not None and resumed.status.barrier.version == 5, "a newer version opens"
+    assert condition(resumed, READY) == ("True", "AllPodsReady")
+
+
+def test_a_final_version_that_stalls_fails_the_job_instead_of_waiting_for_ever() -> None:
+    from lockstep.barrier import STALL_AFTER_FAILURES
+
+    body, pods = settle(job(weightSync={"onTimeout": "EvictStraggler"}))
+    record = {"version": 7, "outcome": "Failed", "seconds": 1.0, "phaseSeconds": {}, "members": 2, "error": "boom"}
+    history = [{**record, "id": f"uid-1/7/{n + 1}", "finishedAt": "2026-01-01T00:00:00.000Z"} for n in range(5)]
+    assert len(history) == STALL_AFTER_FAILURES
+    body = {**body, "status": {**body.get("status", {}), "barrierHistory": history, "barriersOpened": 5}}
+    announce(pods[2], 7)
+    pods[2] = running(pods[2], phase="Succeeded", ready=False)
+    done = plan_for(body, pods, now=NOW + dt.timedelta(days=400))
+    assert done.status.phase is Phase.FAILED and condition(done, READY) == ("False", "WeightUpdateStalled")
+    assert (
+        "weights version 7 failed in 5 barrier(s) in a row (the last: boom)"
+        in find(done.status.conditions, READY).message
+    )  # type: ignore[union-attr]

@@ -34,10 +34,16 @@ from lockstep.api import Algorithm, CorrectionLevel, CorrectionMode, Objective, 
 
 LOG_WEIGHT_BOUND = 20.0
 """Log importance weights are clamped to [-20, 20] before exp (verl's SAFETY_BOUND): a sequence's product of token
-ratios overflows otherwise."""
+ratios overflows otherwise. The mismatch metrics clamp each token's log rho the same before exp (rho, rho squared,
+k3): unclamped, one token at log rho = 30 gives chi2_token 1e24, at 360 rho squared overflows, at 710 rho is
+infinite and ESS NaN."""
 SUM = "sum:"
 MAX = "max:"
 """The prefixes of the statistics in ``learn``'s result, which ``across_ranks`` combines and turns into metrics."""
+
+
+class NonFiniteLoss(ValueError):
+    """A micro-batch's loss is NaN or infinite: the step stops before it steps the optimiser or publishes."""
 
 
 @dataclass(frozen=True)
@@ -95,13 +101,11 @@ class Statistics:
                 "loss": ratio("loss", "loss_units"),
                 "clamp_log_ratio_new_old_indicator": ratio("clipped", "clip_units"),
                 "kl_new_old": ratio("kl_new_old", "tokens"),
-                "ess": s["rho"] ** 2 / (tokens * s["rho_squared"]) if tokens and s["rho_squared"] else 0.0,
+                "ess": _ess(s["rho"], s["rho_squared"], tokens),
                 "mean_abs_logprob_diff": ratio("abs_logprob_diff", "tokens"),
                 "tis_weight_mean": ratio("weight", "weight_units"),
                 "rollout_is_mean": ratio("raw_weight", "weight_units"),
-                "rollout_is_eff_sample_size": (
-                    s["weight"] ** 2 / (units * s["weight_squared"]) if units and s["weight_squared"] else 0.0
-                ),
+                "rollout_is_eff_sample_size": _ess(s["weight"], s["weight_squared"], units),
                 "rollout_is_ratio_fraction_high": ratio("above_upper", "weight_units"),
                 "rollout_is_ratio_fraction_low": ratio("below_lower", "weight_units"),
                 "rollout_is_masked_fraction": ratio("masked_tokens", "tokens"),
@@ -129,6 +133,12 @@ class Statistics:
             out["spanning_sequence_fraction"] = ratio("spanning", "samples")
             out["staleness"] = m["staleness"]
         return out
+
+
+def _ess(total: float, squares: float, count: float) -> float:
+    """(sum w)^2 / (count * sum w^2), as (sum w / count) * (sum w / sum w^2): no square of a sum, which overflows a
+    float when the weights are large; 0 when empty."""
+    return (total / count) * (total / squares) if count and squares else 0.0
 
 
 def _pearson(s: Mapping[str, float], largest_difference: float) -> float:
@@ -212,7 +222,8 @@ def loss_denominator(mask: torch.Tensor, objective: Objective) -> float:
 
 def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Statistics]:
     """The loss to minimise (the mean over ``loss_denominator``'s units, 0 without any; computed in float64, in
-    ``batch.new``'s dtype) and the batch's statistics."""
+    ``batch.new``'s dtype) and the batch's statistics. A loss that is not finite raises NonFiniteLoss, naming the
+    inputs that are not (before any gradient, so no optimiser step and no publish follows)."""
     mask = batch.mask.double()
     kept = mask.bool()
     old, rollout = batch.old.detach().double(), batch.rollout.detach().double()
@@ -249,8 +260,27 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
             sums["entropy"] = (batch.entropy.double() * mask).sum()
         values = torch.stack([t.double().reshape(()) for t in (*sums.values(), *maxima.values())]).tolist()
     # One transfer to the host (one device synchronisation, not one per value).
-    return loss, Statistics(
+    statistics = Statistics(
         dict(zip(sums, values[: len(sums)], strict=True)), dict(zip(maxima, values[len(sums) :], strict=True))
+    )
+    if not math.isfinite(statistics.sums["loss"]):
+        raise NonFiniteLoss(_non_finite(batch, kept, statistics.sums["loss"]))
+    return loss, statistics
+
+
+def _non_finite(batch: Batch, kept: torch.Tensor, loss: float) -> str:
+    """Why the loss is ``loss`` (NaN or infinite): which inputs are not finite on the kept tokens."""
+    inputs = {
+        "the trainer's logprobs (new)": batch.new.detach()[kept],
+        "the proximal logprobs (old)": batch.old[kept],
+        "the rollout logprobs (vLLM's)": batch.rollout[kept],
+        "the advantages (from the rewards)": batch.advantages,
+    }
+    bad = [f"{name}: {int((~t.isfinite()).sum())} not finite" for name, t in inputs.items() if not t.isfinite().all()]
+    return (
+        f"the loss is {loss}, so the step stops before its optimiser step and publishes nothing; "
+        f"{'; '.join(bad) or 'every input is finite: the loss overflowed'}. A diverged model gives NaN logprobs: "
+        "lower spec.trainer.objective.learningRate or resume from an earlier checkpoint"
     )
 
 
@@ -261,7 +291,8 @@ def _mismatch(
     kept = mask.bool()
     old, rollout = torch.where(kept, old, 0.0), torch.where(kept, rollout, 0.0)
     log_rho = old - rollout
-    rho = torch.exp(log_rho) * mask
+    safe_log_rho = log_rho.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+    rho = torch.exp(safe_log_rho) * mask
     lengths = mask.sum(dim=-1)
     sequences = lengths > 0
     mean_old, mean_rollout = old.sum(dim=-1) / lengths.clamp(min=1), rollout.sum(dim=-1) / lengths.clamp(min=1)
@@ -278,7 +309,7 @@ def _mismatch(
         "rho": rho.sum(),
         "rho_squared": (rho**2).sum(),
         "abs_logprob_diff": (log_rho.abs() * mask).sum(),
-        "k3_kl": ((torch.exp(log_rho) - log_rho - 1) * mask).sum(),
+        "k3_kl": ((torch.exp(safe_log_rho) - safe_log_rho - 1) * mask).sum(),
         "training_ppl": (torch.exp(-mean_old) * sequences).sum(),
         "rollout_ppl": (torch.exp(-mean_rollout) * sequences).sum(),
         "log_ppl_diff": ((mean_rollout - mean_old) * sequences).sum(),

@@ -5,6 +5,8 @@ the sending of weights with a collective backend."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Gauge, Histogram
 
 from lockstep import environment, keys
-from lockstep.api import WeightSyncBackend
+from lockstep.api import BudgetMetric, WeightSyncBackend
 from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import EvalResult, Mismatch, Weights, document
 from lockstep_workers.checkpoint import checkpoints_directory
@@ -25,6 +27,8 @@ from lockstep_workers.weights import weights_directory
 
 if TYPE_CHECKING:
     from lockstep_workers.agent import AgentCore
+
+logger = logging.getLogger("lockstep.trainer")
 
 STEP_METRICS = (
     "reward",
@@ -184,6 +188,35 @@ def announce(
     if evaluation is not None:
         annotations[keys.EVALUATION] = document(evaluation)
     pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
+
+
+def step_reports(step: int, metrics: Mapping[str, float]) -> tuple[Mismatch | None, EvalResult | None]:
+    """What trainer rank 0 reports of ``step`` (lockstep.dev/mismatch, lockstep.dev/evaluation), from its metrics,
+    never a number the wire documents refuse: a budget metric that is not finite is left out; a mismatch whose
+    on-policy measurement, or an evaluation whose reward, is not finite is not reported (each logged)."""
+    finite = {name: value for name, value in metrics.items() if math.isfinite(value)}
+    left_out = sorted(name.value for name in BudgetMetric if name.value in metrics and name.value not in finite)
+    if left_out:
+        logger.warning("step %d: metrics %s are not finite and are left out of its report", step, ", ".join(left_out))
+    mismatch = None
+    if "onpolicy_mean_abs_logprob_diff" in finite and "onpolicy_token_fraction" in finite:
+        mismatch = Mismatch(
+            step=step,
+            mean_abs_logprob_diff=finite["onpolicy_mean_abs_logprob_diff"],
+            token_fraction=finite["onpolicy_token_fraction"],
+            stale_samples_dropped=int(finite.get("stale_samples_dropped", 0)),
+            metrics={name.value: finite[name.value] for name in BudgetMetric if name.value in finite},
+        )
+    else:
+        logger.warning("step %d: its on-policy mismatch is not finite; no mismatch is reported for it", step)
+    evaluation = None
+    if EVAL_REWARD in finite:
+        evaluation = EvalResult(version=step - 1, reward=finite[EVAL_REWARD], rows=int(metrics[EVAL_ROWS]))
+    elif EVAL_REWARD in metrics:
+        logger.warning(
+            "step %d: its eval reward %s is not finite; no evaluation is reported", step, metrics[EVAL_REWARD]
+        )
+    return mismatch, evaluation
 
 
 def committed_weights(env: PodEnvironment) -> Weights | None:

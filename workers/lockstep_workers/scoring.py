@@ -4,8 +4,9 @@ trainer's own state with it.
 
 A reward whose parameters include ``completion``, ``prompt`` and ``row`` is called with those keywords (the decoded
 completion, the prompt's text, its dataset row); any other with (prompt token ids, completion token ids). A reward
-that raises is counted, logged with the row, and scored as spec.trainer.onRewardError says: Zero scores it 0, Fail
-stops the trainer (RewardFailed).
+that raises, or returns NaN or an infinity (which would reach the loss and the trainer's reports), is counted, logged
+with the row, and scored as spec.trainer.onRewardError says: Zero scores it 0, Fail stops the trainer
+(RewardFailed).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import multiprocessing
 import traceback
 from collections.abc import Callable, Sequence
@@ -79,9 +81,12 @@ def score(reference: str, sample: RewardInput) -> Outcome:
             value = function(completion=sample.completion, prompt=sample.prompt, row=sample.row)
         else:
             value = function(sample.prompt_token_ids, sample.completion_token_ids)
-        return Outcome(reward=float(value))
+        reward = float(value)
     except Exception:
         return Outcome(error=traceback.format_exc())
+    if not math.isfinite(reward):
+        return Outcome(error=f"ValueError: the reward function returned {reward}, not a finite number")
+    return Outcome(reward=reward)
 
 
 class RewardFailed(RuntimeError):

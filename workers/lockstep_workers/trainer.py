@@ -41,9 +41,9 @@ import torch.distributed as dist
 from prometheus_client import start_http_server
 
 from lockstep import environment
-from lockstep.api import BudgetMetric, DType, MismatchBudget, TrainerNumerics, Training
+from lockstep.api import DType, MismatchBudget, TrainerNumerics, Training
 from lockstep.podconfig import PodConfig
-from lockstep.protocol import EvalResult, Mismatch, Weights
+from lockstep.protocol import Weights
 from lockstep_workers import checkpoint, lora, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
 from lockstep_workers.episodes import RolloutFunction, single_turn
@@ -60,6 +60,7 @@ from lockstep_workers.pod import (
     committed_weights,
     record,
     record_rollouts,
+    step_reports,
 )
 from lockstep_workers.rollouts import Actors, ActorService, discovery
 from lockstep_workers.scoring import RewardInput, Scorer, load_callable
@@ -575,18 +576,7 @@ def _publish_and_announce(
     weights = publish(whole, env.weights_dir, version=step, keep=max(3, settings.max_lag + 2), metadata=metadata)
     metrics = {**metrics, "publish_seconds": time.monotonic() - publishing}
     if env.pod and env.namespace:
-        mismatch = Mismatch(
-            step=step,
-            mean_abs_logprob_diff=metrics["onpolicy_mean_abs_logprob_diff"],
-            token_fraction=metrics["onpolicy_token_fraction"],
-            stale_samples_dropped=int(metrics["stale_samples_dropped"]),
-            metrics={name.value: metrics[name.value] for name in BudgetMetric},
-        )
-        evaluation = (
-            EvalResult(version=step - 1, reward=metrics[EVAL_REWARD], rows=int(metrics[EVAL_ROWS]))
-            if EVAL_REWARD in metrics
-            else None
-        )
+        mismatch, evaluation = step_reports(step, metrics)
         announce(_as_announced(env, weights), env.namespace, env.pod, mismatch, evaluation)
     record(env, step, seconds, metrics)
     if metrics["onpolicy_mean_abs_logprob_diff"] > budget:

@@ -99,3 +99,40 @@ def test_ess_drops_when_importance_weights_are_uneven_and_padding_is_ignored() -
     _, metrics = policy_loss(uneven, objective("ppo"))
     weights = torch.tensor([4.0, 4.0, 4.0, 1.0, 1.0])
     assert metrics["ess"] == pytest.approx((weights.sum() ** 2 / (5 * (weights**2).sum())).item())
+
+
+@pytest.mark.parametrize("log_rho", [30.0, 360.0, 800.0])
+def test_one_token_far_off_policy_gives_finite_mismatch_metrics_clamped_as_verl_does(log_rho: float) -> None:
+    data = batch(advantages=(1.0, 1.0))
+    rollout = data.old.clone()
+    rollout[0, 0] -= log_rho  # one token's log rho; the other four are on-policy
+    far = Batch(new=data.new, old=data.old, rollout=rollout, advantages=data.advantages, mask=data.mask)
+    _, metrics = policy_loss(far, objective("ppo"))
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+    rho = math.exp(objective_module.LOG_WEIGHT_BOUND)  # log rho clamped to 20, as verl's SAFETY_BOUND
+    assert metrics["chi2_token"] == pytest.approx((rho**2 + 4) / 5 - 1)
+    assert metrics["ess"] == pytest.approx((rho + 4) ** 2 / (5 * (rho**2 + 4)))
+    assert metrics["mean_abs_logprob_diff"] == pytest.approx(log_rho / 5), "the measured difference is not clamped"
+
+
+def test_a_nan_loss_stops_the_step_naming_the_inputs_that_are_not_finite() -> None:
+    """Issue 37 item 1: a diverged model's NaN logprobs, or a NaN reward, reached the loss and the trainer's reports."""
+    data = batch(advantages=(1.0, 1.0))
+    with torch.no_grad():
+        data.new[0, 1] = math.nan
+    with pytest.raises(objective_module.NonFiniteLoss, match=r"the loss is nan, so the step stops before its optim"):
+        policy_loss(data, objective("grpo"))
+    with pytest.raises(objective_module.NonFiniteLoss, match=r"the trainer's logprobs \(new\): 1 not finite"):
+        policy_loss(data, objective("ppo"))
+    rollout = batch().old.clone()
+    rollout[1, 0] = math.nan  # vLLM's logprob of a kept token
+    broken = Batch(
+        new=batch().new, old=batch().old, rollout=rollout, advantages=torch.tensor([1.0, 1.0]), mask=batch().mask
+    )
+    with pytest.raises(objective_module.NonFiniteLoss, match=r"the rollout logprobs \(vLLM's\): 1 not finite"):
+        policy_loss(broken, objective("ppo", tis=True))
+    padded = batch()
+    with torch.no_grad():
+        padded.new[0, 3] = math.nan  # a padding token: not in the loss
+    loss, _ = policy_loss(padded, objective("ppo"))
+    assert math.isfinite(loss.item())

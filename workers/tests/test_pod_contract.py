@@ -56,3 +56,30 @@ def test_the_preflight_outside_a_preflight_pod_says_where_it_runs() -> None:
     with pytest.raises(SystemExit) as refused:
         preflight(Path("/models/tiny"), Workload(), {})
     assert str(refused.value).startswith("--preflight: LOCKSTEP_CONFIG is not set"), refused.value
+
+
+def test_the_trainer_reports_no_number_the_wire_documents_refuse(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 37 item 1: a NaN or infinite metric went into lockstep.dev/mismatch (the operator now refuses the
+    whole report); the trainer leaves such a metric out, or reports nothing for the step, and says so."""
+    from lockstep.protocol import EvalResult, Mismatch, read_document
+    from lockstep_workers.pod import EVAL_REWARD, EVAL_ROWS, step_reports
+
+    metrics = {
+        "onpolicy_mean_abs_logprob_diff": 0.01,
+        "onpolicy_token_fraction": 0.5,
+        "stale_samples_dropped": 0.0,
+        "ess": float("nan"),
+        "chi2_token": float("inf"),
+        "k3_kl": 0.001,
+        "loss": float("nan"),
+        EVAL_REWARD: 0.25,
+        EVAL_ROWS: 20.0,
+    }
+    with caplog.at_level("WARNING", logger="lockstep.trainer"):
+        mismatch, evaluation = step_reports(7, metrics)
+    assert mismatch is not None and mismatch.metrics == {"k3_kl": 0.001}
+    assert isinstance(read_document(document(mismatch), Mismatch), Mismatch), "the operator accepts it"
+    assert evaluation == EvalResult(version=6, reward=0.25, rows=20)
+    assert "metrics chi2_token, ess are not finite" in caplog.text
+    diverged = {**metrics, "onpolicy_mean_abs_logprob_diff": float("nan"), EVAL_REWARD: float("nan")}
+    assert step_reports(7, diverged) == (None, None)

@@ -4,6 +4,7 @@ text and on token ids; a reward that raises is counted, logged with its row, and
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -111,3 +112,25 @@ def test_a_raising_reward_stops_the_trainer_with_fail(caplog: pytest.LogCaptureF
 def test_an_unimportable_reward_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"'lockstep_workers\.rewards:nothing' cannot be imported"):
         Scorer("lockstep_workers.rewards:nothing", RewardErrorAction.ZERO, processes=1)
+
+
+def nan_on_odd_rows(completion: str, prompt: str, row: dict[str, Any]) -> float:
+    return float("nan") if row["n"] % 2 else -math.inf if row["n"] == 2 else 1.0
+
+
+def test_a_non_finite_reward_is_a_reward_error_under_on_reward_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 37 item 1: a NaN reward reached the loss and the trainer's reports unchecked."""
+    scorer = Scorer(f"{__name__}:nan_on_odd_rows", RewardErrorAction.ZERO, processes=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lockstep.trainer"):
+            rewards, errors = scorer.scores([sample(n) for n in range(4)])
+    finally:
+        scorer.close()
+    assert (rewards, errors) == ([1.0, 0.0, 0.0, 0.0], 3)
+    assert "returned nan, not a finite number" in caplog.records[0].getMessage()
+    scorer = Scorer(f"{__name__}:nan_on_odd_rows", RewardErrorAction.FAIL, processes=1)
+    try:
+        with pytest.raises(RewardFailed, match=r"raised on row \{'n': 1\}: ValueError: .* returned nan"):
+            scorer.scores([sample(n) for n in range(4)])
+    finally:
+        scorer.close()

@@ -1,6 +1,8 @@
 """Step: what the trainer measured. Its last evaluation goes to the status; its last parity measurement is held
 against the ParityPolicy's budget (ParityDegraded), over which a policy with onExceeded: Pause holds new weight
-updates and one with onExceeded: Fail ends the job."""
+updates and one with onExceeded: Fail ends the job. A report the wire documents refuse (NaN, Infinity, a number
+beyond int64, a string for a number) is ignored, the last valid one kept, and TrainerReportsValid=False names the
+annotation and the field; the job's other work goes on."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from enum import Enum
 from typing import Any
 
 from lockstep import keys, protocol
-from lockstep.api import BudgetAction, MismatchBudget, Phase, RLJobSpec
-from lockstep.conditions import PARITY_DEGRADED
+from lockstep.api import BudgetAction, BudgetMetric, MismatchBudget, Phase, RLJobSpec
+from lockstep.conditions import PARITY_DEGRADED, TRAINER_REPORTS_VALID, find
 from lockstep.parity import EffectiveConfig
 from lockstep.protocol import EvalResult, Mismatch
 from lockstep.reconcile import completion
@@ -26,19 +28,47 @@ class Updates(Enum):
     """The job failed over its budget (onExceeded: Fail): the pass ends."""
 
 
+REPORTED_METRICS = frozenset(metric.value for metric in BudgetMetric)
+"""The metrics of a mismatch report that reach status.mismatch: those a budget may name (others are left out)."""
+
+
+def reports(run: Pass, rank0: dict[str, Any] | None) -> tuple[Mismatch | None, EvalResult | None]:
+    """The trainer's last mismatch and evaluation documents on rank 0, each None when absent or refused. A refused
+    one sets TrainerReportsValid=False, naming the annotation and the field (its transition is the Event); once
+    both are valid (or gone) it is True again."""
+    mismatch = protocol.read_document(annotation(rank0, keys.MISMATCH) if rank0 else None, Mismatch)
+    evaluation = protocol.read_document(annotation(rank0, keys.EVALUATION) if rank0 else None, EvalResult)
+    refused = [
+        f"{key} on the trainer {problem}"
+        for key, problem in ((keys.MISMATCH, mismatch), (keys.EVALUATION, evaluation))
+        if isinstance(problem, str)
+    ]
+    if refused:
+        kept = "ignored (the status keeps the last valid report) until the trainer writes a valid one"
+        message = f"{'; '.join(refused)}: {kept}"
+        run.condition(TRAINER_REPORTS_VALID, False, Reason.INVALID_TRAINER_REPORT, message)
+    elif mismatch is not None or evaluation is not None or find(run.status.conditions, TRAINER_REPORTS_VALID):
+        run.condition(TRAINER_REPORTS_VALID, True, Reason.REPORTS_VALID, "the trainer's reports are valid")
+    return (
+        mismatch if isinstance(mismatch, Mismatch) else None,
+        evaluation if isinstance(evaluation, EvalResult) else None,
+    )
+
+
 def record_evaluation(run: Pass, rank0: dict[str, Any] | None) -> None:
     """The trainer's last evaluation (on its pod), into status.evaluation."""
-    evaluated = protocol.read_document(annotation(rank0, keys.EVALUATION) if rank0 else None, EvalResult)
-    if isinstance(evaluated, EvalResult):
+    _, evaluated = reports(run, rank0)
+    if evaluated is not None:
         run.status.evaluation = evaluated
 
 
 def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, Any] | None) -> Updates:
     """Hold the trainer's last measurement against the budget: ParityDegraded, and whether a new weight update may
     open (Pause holds them); over a budget with onExceeded: Fail the job ends here, FAILED."""
-    measured = protocol.read_document(annotation(rank0, keys.MISMATCH) if rank0 else None, Mismatch)
-    if isinstance(measured, Mismatch) and measured.token_fraction > 0:
-        run.status.mismatch = measured
+    measured, _ = reports(run, rank0)
+    if measured is not None and measured.token_fraction > 0:
+        kept = {name: value for name, value in measured.metrics.items() if name in REPORTED_METRICS}
+        run.status.mismatch = measured.model_copy(update={"metrics": kept})
     last = run.status.mismatch
     if last is None:
         return Updates.ALLOWED

@@ -115,6 +115,9 @@ class Pass:
         self.plan = Plan(status=status)
         self.pods = {p["metadata"]["name"]: p for p in observed.pods if not p["metadata"].get("deletionTimestamp")}
         """The job's pods that are not being deleted, by name."""
+        self.updates_stalled: str | None = None
+        """Why no weight update opens for the version the actors should load (lockstep.barrier.held_back), for
+        Ready; None when none is stalled."""
 
     @property
     def status(self) -> RLJobStatus:

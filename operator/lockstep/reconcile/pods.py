@@ -159,10 +159,15 @@ def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str
 
 
 def readiness(run: Pass, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:
-    """Running once every pod is ready; until then Ready=False, PodsNotReady (or Restarting, during its backoff)."""
+    """Running once every pod is ready; until then Ready=False, PodsNotReady (or Restarting, during its backoff).
+    Every pod ready but weight updates stalled (``run.updates_stalled``): Running, Ready=False WeightUpdateStalled,
+    which kstatus reads as Stalled."""
     summary.count(run, spec, live)
     if run.status.actors.ready == spec.actors.replicas and run.status.trainer.ready == spec.trainer.replicas:
         run.status.phase = Phase.RUNNING
+        if run.updates_stalled is not None:
+            run.condition(READY, False, Reason.WEIGHT_UPDATE_STALLED, run.updates_stalled)
+            return
         run.condition(READY, True, Reason.ALL_PODS_READY, summary.readiness(run))
         return
     if run.old.phase is not Phase.RUNNING:

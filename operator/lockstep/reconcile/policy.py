@@ -32,19 +32,25 @@ def valid_spec(run: Pass) -> RLJobSpec | None:
 
 
 def reserved_settings(spec: RLJobSpec) -> list[str]:
-    """Where the job's env, volumes or volumeMounts take over the operator's own (``lockstep.environment``), in the
-    CRD's words. The CRD refuses them; this stops a job that was created before it did, or past its admission."""
+    """Where the job's env, volumes or volumeMounts take over the operator's own, or its env changes vLLM's numerics
+    or the workers' code (``lockstep.environment``), in the CRD's words. The CRD refuses them; this stops a job
+    that was created before it did, or past its admission."""
     problems = []
     for role, overrides in (("actors", spec.actors), ("trainer", spec.trainer)):
         for index, variable in enumerate(overrides.env or []):
             if environment.reserved_env(variable.name):
                 problems.append(f"spec.{role}.env[{index}].name: {variable.name}{environment.RESERVED_ENV_WHY}")
+            if environment.locked_env(variable.name):
+                problems.append(f"spec.{role}.env[{index}].name: {variable.name}{environment.LOCKED_ENV_WHY}")
         for index, mount in enumerate(overrides.volume_mounts or []):
+            if environment.reserved_volume(name := str(mount.get("name", ""))):
+                field = f"spec.{role}.volumeMounts[{index}].name"
+                problems.append(f"{field}: volume {name}{environment.RESERVED_VOLUME_MOUNT_WHY}")
             if environment.reserved_mount(path := str(mount.get("mountPath", ""))):
                 field = f"spec.{role}.volumeMounts[{index}].mountPath"
                 problems.append(f"{field}: mountPath {path}{environment.RESERVED_MOUNT_WHY}")
         for index, volume in enumerate(overrides.volumes or []):
-            if (name := str(volume.get("name", ""))).startswith(environment.RESERVED_VOLUME_PREFIX):
+            if environment.reserved_volume(name := str(volume.get("name", ""))):
                 problems.append(f"spec.{role}.volumes[{index}].name: volume {name}{environment.RESERVED_VOLUME_WHY}")
     return problems
 

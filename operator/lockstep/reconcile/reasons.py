@@ -22,6 +22,7 @@ class Reason(StrEnum):
     QUOTA_EXCEEDED = "QuotaExceeded"
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
     WEIGHT_UPDATE_FAILED = "WeightUpdateFailed"
+    WEIGHT_UPDATE_STALLED = "WeightUpdateStalled"
     PREFLIGHT_FAILED = "PreflightFailed"
     # ParityLocked (and Ready, when the job may not run)
     LOCKED = "Locked"
@@ -37,6 +38,9 @@ class Reason(StrEnum):
     # ParityDegraded
     WITHIN_BUDGET = "WithinBudget"
     MISMATCH_BUDGET_EXCEEDED = "MismatchBudgetExceeded"
+    # TrainerReportsValid
+    REPORTS_VALID = "ReportsValid"
+    INVALID_TRAINER_REPORT = "InvalidTrainerReport"
     # WeightsFitMemory
     WITHIN_MEMORY_LIMIT = "WithinMemoryLimit"
     ACTOR_MEMORY_LIMIT_TOO_LOW = "ActorMemoryLimitTooLow"
@@ -78,6 +82,7 @@ STALLED = frozenset(
         Reason.POLICY_NOT_APPLICABLE,
         Reason.RESTART_LIMIT_EXCEEDED,
         Reason.WEIGHT_UPDATE_FAILED,
+        Reason.WEIGHT_UPDATE_STALLED,
         Reason.MISMATCH_BUDGET_EXCEEDED,
         Reason.PREFLIGHT_FAILED,
         Reason.CHILD_REJECTED,

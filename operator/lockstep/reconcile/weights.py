@@ -33,7 +33,8 @@ def step(
     backend trainer rank 0 is a member too: it sends the weights, and each actor takes ``ranks`` ranks of the
     transfer group. While ``updates`` are held, or the actors cannot stage the announced version in their memory
     (lockstep.reconcile.memory), an open barrier goes on and no new one opens for it; ``updates`` FAILED (the
-    budget ended the job) is DONE."""
+    budget ended the job) is DONE. A version whose barriers failed in a row waits before the next, and stalls
+    (``run.updates_stalled``, for Ready) after lockstep.barrier.STALL_AFTER_FAILURES of them."""
     if updates is budget.Updates.FAILED:
         return Next.DONE
     rank0_name = desired.rank0_name(run.job.name)
@@ -61,8 +62,10 @@ def step(
         sender=rank0_name if collective else None,
         ranks_per_member=ranks,
         rolling=spec.weight_sync.mode is UpdateMode.ROLLING,
+        opened=status.barriers_opened,
     )
     status.barrier = decision.barrier
+    status.barriers_opened = decision.opened
     if decision.barrier is not None:
         run.plan.waiting_for = set(decision.barrier.members) - set(decision.acked)
     status.weights = decision.committed
@@ -72,6 +75,14 @@ def step(
     status.lag = announced.version - min(actors) if announced is not None and actors else None
     for note in decision.notes:
         run.event(Reason.WEIGHT_UPDATE, note)
+    if (held := decision.held) is not None and held.until is not None:
+        run.requeue((held.until - run.observed.now).total_seconds() + 0.5)
+    elif held is not None:
+        serving = f"version {committed.version}" if (committed := decision.committed) else "the initial weights"
+        run.updates_stalled = (
+            f"{held.words()}; no barrier opens for it again, and the actors keep serving {serving}: fix what the "
+            "error names, then have the trainer announce a newer version (or recreate the job)"
+        )
     for name, command in decision.commands.items():
         text = protocol.document(command)
         if annotation(live[name], keys.BARRIER) != text:
@@ -102,11 +113,16 @@ def with_committed_weights(run: Pass, pod: dict[str, Any]) -> dict[str, Any]:
 
 def finish_training(run: Pass, spec: RLJobSpec, config: EffectiveConfig, children: Children) -> None:
     """Rank 0 has completed: carry its last announced weights to every actor (unless the ParityPolicy holds
-    weight updates), then succeed. An actor lost meanwhile is recreated so that the update has members."""
+    weight updates), then succeed; fail if that last version stalled (lockstep.barrier.held_back). An actor lost
+    meanwhile is recreated so that the update has members."""
     rank0 = children.rank0
     assert rank0 is not None
     updates = budget.check(run, spec, config, rank0)
     if step(run, spec, children.pods, ranks_per_member(config), updates) is Next.DONE:
+        return
+    if run.updates_stalled is not None:
+        # The trainer is done and its last version stalled: nothing more will come to load, so the job ends.
+        completion.finish_job(run, spec, Phase.FAILED, Reason.WEIGHT_UPDATE_STALLED, run.updates_stalled)
         return
     announced = _announcement(run, rank0, spec.weight_sync.backend.collective)  # reported once, by step
     final = announced.version if announced is not None else None
