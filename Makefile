@@ -53,8 +53,10 @@ $(LINT_STAMP): requirements/lint.txt
 typecheck: venv
 	$(VENV)/bin/mypy
 
+# --durations=30: every run (CI's too) says where its time went, before the short summary that names each failed
+# test; past 40 minutes the run also warns with its 10 slowest tests (e2e/lockstep_e2e/pytest_budget.py, issue 33).
 pytest: venv binaries
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=30
 
 # The pure tests, in about a minute: no control plane (cluster), no vLLM engine (vllm), and none of the
 # trainer's torch.distributed runs (test_trainer.py) or the actor's process start, which imports vLLM.
