@@ -31,7 +31,8 @@ from lockstep_workers import text_task
 from lockstep_workers.rewards import math_exact_match
 from lockstep_workers.weights import publish, weights_directory
 
-pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep")]
+# Each test runs an RL job (run_tiny_rl_job gives up after 540 s, with every pod's log, before pytest's 600).
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep"), pytest.mark.timeout(600)]
 
 STEPS = 16
 
