@@ -137,7 +137,7 @@ def test_the_trainer_sends_the_weights_over_gloo_without_a_shared_volume(
 ) -> None:
     """weightSync.backend gloo: trainer rank 0 is a member of every barrier and sends each version into the
     actors' vLLM workers; nothing is shared but the network."""
-    steps = 8
+    steps = 5
     result = run_tiny_rl_job(
         cluster, kube, namespace, tmp_path, steps=steps, actors=2, trainers=1, weightSync={"backend": "gloo"}
     )
