@@ -733,15 +733,21 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
     optimizer state alone), it goes on as if never stopped; resumed from the published version 2 alone (no
     checkpoints), step 3 starts from that adapter (the entropy, measured before the step's first optimizer step, is
     that of the adapter that never stopped). Resuming with another adapter shape is refused."""
+    import shutil
+
     from safetensors import safe_open
 
     from lockstep_workers import lora
+    from lockstep_workers.checkpoint import checkpoints_directory
     from lockstep_workers.trainer import _check_adapter
     from lockstep_workers.weights import version_path, weights_directory
 
     model = create_tiny_llama(tmp_path / "model")
     straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=LORA)
     first = run_trainer(2, model, tmp_path / "resumed", steps=2, settings=LORA)
+    # The same job's directory without its checkpoints: what a job that never checkpoints has published by step 2.
+    shutil.copytree(tmp_path / "resumed", tmp_path / "published")
+    shutil.rmtree(checkpoints_directory(tmp_path / "published"))
     resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=LORA)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for mine, theirs in zip(first + resumed[2:], straight, strict=True):
@@ -780,11 +786,10 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
             torch.testing.assert_close(found["optimizer"]["state"][name][key], state[key], rtol=1e-4, atol=1e-7)
 
     unchecked = LORA.model_copy(update={"checkpoint_every_steps": 0})
-    run_trainer(2, model, tmp_path / "published", steps=2, settings=unchecked)
+    from_version = run_trainer(1, model, tmp_path / "published", steps=3, settings=unchecked)
     assert not (tmp_path / "published" / "checkpoints").exists() or not any(
         (tmp_path / "published" / "checkpoints").iterdir()
-    )
-    from_version = run_trainer(1, model, tmp_path / "published", steps=3, settings=unchecked)
+    ), "checkpointEverySteps 0 writes none"
     assert from_version[2]["step"] == 3
     assert from_version[2]["entropy"] == pytest.approx(straight[2]["entropy"], rel=1e-5), "the adapter of version 2"
     assert from_version[2]["entropy"] != pytest.approx(straight[0]["entropy"], rel=1e-5), "not the base's"
