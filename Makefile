@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test unit venv binaries lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo test unit venv binaries kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -53,8 +53,15 @@ $(LINT_STAMP): requirements/lint.txt
 typecheck: venv
 	$(VENV)/bin/mypy
 
-pytest: venv binaries
-	$(VENV)/bin/pytest
+# --durations=30: every run (CI's too) says where its time went, before the short summary that names each failed
+# test; past 40 minutes the run also warns with its 10 slowest tests (e2e/lockstep_e2e/pytest_budget.py, issue 33).
+pytest: venv binaries kueue
+	$(VENV)/bin/pytest --durations=30
+
+# Kueue's controller manager for its e2e tests (about 4 minutes when not cached), built before pytest so that no
+# test's timeout has to hold a Go build.
+kueue: venv
+	$(PY) -c 'from lockstep_e2e.build import build_kueue; print(build_kueue())'
 
 # The pure tests, in about a minute: no control plane (cluster), no vLLM engine (vllm), and none of the
 # trainer's torch.distributed runs (test_trainer.py) or the actor's process start, which imports vLLM.

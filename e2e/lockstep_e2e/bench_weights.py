@@ -758,8 +758,11 @@ class TrainerMemory:
     learn_s: float
 
 
-def memory_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[TrainerMemory]:
-    """The trainer's peak memory in one learn step, full weights against LoRA, each in a fresh process."""
+def memory_part(
+    sizes: list[float], repeats: int, step_seconds: float, scratch: Path, modes: Sequence[bool] = (False, True)
+) -> list[TrainerMemory]:
+    """The trainer's peak memory in one learn step, full weights against LoRA, each in a fresh process; ``modes``:
+    which of them (with LoRA: True), both by default."""
     import multiprocessing
 
     results = []
@@ -767,7 +770,7 @@ def memory_part(sizes: list[float], repeats: int, step_seconds: float, scratch: 
     for target in sizes:
         model_dir = served_model(target, scratch / f"memory-model-{target}")
         try:
-            for with_lora in (False, True):
+            for with_lora in modes:
                 queue = context.SimpleQueue()
                 process = context.Process(target=_learn_once, args=(str(model_dir), with_lora, queue))
                 process.start()

@@ -117,7 +117,7 @@ def run_tiny_rl_job(
     steps: int = 20,
     actors: int = 2,
     trainers: int = 2,
-    timeout: float = 780.0,
+    timeout: float = 540.0,
     progress: Callable[[str], None] = print,
     watch: Callable[[dict[str, Any], JobPods], None] | None = None,
     before_start: Callable[[dict[str, Any]], None] | None = None,
@@ -127,7 +127,7 @@ def run_tiny_rl_job(
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec fields;
     ``text``: the text task; ``trainer``: spec.trainer fields over the task's, merged as tiny_rl_job merges them),
-    run its pods until it finishes, and collect what it recorded. ``timeout`` is below pytest's 900 s, so that a
+    run its pods until it finishes, and collect what it recorded. ``timeout`` is below test_rl_job's 600 s, so that a
     stalled run fails with the ending of every pod's log; ``before_start`` sees the job once its pods exist, before
     their containers start; ``watch`` sees the job and its pods every second. With ``preflight: {enabled: true}``
     the preflight pod runs first; a job it stops has no other pods."""

@@ -31,7 +31,8 @@ from lockstep_workers import text_task
 from lockstep_workers.rewards import math_exact_match
 from lockstep_workers.weights import publish, weights_directory
 
-pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep")]
+# Each test runs an RL job (run_tiny_rl_job gives up after 540 s, with every pod's log, before pytest's 600).
+pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep"), pytest.mark.timeout(600)]
 
 STEPS = 16
 
@@ -136,7 +137,7 @@ def test_the_trainer_sends_the_weights_over_gloo_without_a_shared_volume(
 ) -> None:
     """weightSync.backend gloo: trainer rank 0 is a member of every barrier and sends each version into the
     actors' vLLM workers; nothing is shared but the network."""
-    steps = 8
+    steps = 5
     result = run_tiny_rl_job(
         cluster, kube, namespace, tmp_path, steps=steps, actors=2, trainers=1, weightSync={"backend": "gloo"}
     )
@@ -432,9 +433,12 @@ LORA = {
     "objective": {"learningRate": 0.01},
     "checkpointEverySteps": 1,
 }
-"""The tiny task's reward asks for particular tokens: an adapter on the decoder layers alone plateaus at about 0.17
-(offline, 16 steps at 1e-2 or 3e-2); with one on the lm_head too it reached 1.0 (full fine-tuning at 3e-3: 0.80)."""
-LORA_STEPS = 12
+"""An adapter on the decoder layers and the lm_head (vLLM serves both). How well such an adapter learns the tiny task,
+against full fine-tuning, is checked in process by test_trainer.py's
+test_a_lora_adapter_learns_the_tiny_task_within_the_steps_full_fine_tuning_takes. This job shows the operator's and
+the actors' side in the fewest steps that hold its two faults: the killed actor's replacement served from v4 of 8
+(269 s under load 6, where 12 steps that had to raise the reward took about 7 minutes)."""
+LORA_STEPS = 8
 
 
 def test_a_lora_job_updates_adapters_without_pausing_through_an_actor_kill_and_a_smaller_trainer(
@@ -442,8 +446,9 @@ def test_a_lora_job_updates_adapters_without_pausing_through_an_actor_kill_and_a
 ) -> None:
     """spec.trainer.lora: the trainer publishes only the adapter and the actors load each version beside the
     ones serving, with no pause. One actor is SIGKILLed while a barrier loads an adapter (its replacement starts
-    from the committed adapter); once version 5 is committed the trainer is cut from 2 ranks to 1, which resumes
-    the adapter and its optimizer state from the checkpoint. The reward still rises within maxLag 1."""
+    from the committed adapter and loads every later one); once version 3 is committed the trainer is cut from 2
+    ranks to 1, which resumes the adapter and its optimizer state from the checkpoint. Every token stays within
+    maxLag 1 and the actors' logprobs within the mismatch budget."""
     events: dict[str, int] = {}
 
     def kill_while_loading(pods: JobPods) -> None:
@@ -458,7 +463,7 @@ def test_a_lora_job_updates_adapters_without_pausing_through_an_actor_kill_and_a
         if "started" not in events:
             events["started"] = 1
             threading.Thread(target=kill_while_loading, args=(pods,), daemon=True).start()
-        if (job["status"].get("weightsVersion") or 0) >= 5 and "edited" not in events:
+        if (job["status"].get("weightsVersion") or 0) >= 3 and "edited" not in events:
             events["edited"] = job["status"]["weightsVersion"]
             patch_job(kube, namespace, "tiny", {"spec": {"trainer": {"replicas": 1}}})
 
@@ -476,16 +481,14 @@ def test_a_lora_job_updates_adapters_without_pausing_through_an_actor_kill_and_a
     with safe_open(str(directory / f"v{LORA_STEPS:06d}.safetensors"), "pt") as published:
         names, metadata = list(published.keys()), published.metadata()
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), f"not only the adapter: {names[:4]}"
+    assert any("lm_head" in n for n in names), "trainLmHead: the lm_head's adapter is published too"
     assert json.loads(metadata["adapter_config"])["r"] == 8
     log = (tmp_path / "pods" / "tiny-trainer-0.log").read_text()
     resumed = re.findall(r"resuming from weights version (\d+) \(committed: \w+\), optimizer state from the", log)
     assert len(resumed) == 1 and int(resumed[0]) >= events["edited"], resumed
     assert all(r["staleness"] <= 1 for r in result.steps), "spec.trainer.maxLag 1 bounds every token's version"
-    rewards = [r["reward"] for r in result.steps]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(
-        f"LoRA: reward {first:.3f} -> {last:.3f}; an actor killed at v{events['killed']}, "
-        f"the trainer cut to one rank at v{events['edited']}"
+        f"LoRA: an actor killed at v{events['killed']}, the trainer cut to one rank at v{events['edited']}; "
+        f"took {result.seconds:.0f}s"
     )
-    assert last > first + 0.1, f"the reward did not rise: {rewards}"
     assert worst_onpolicy_mismatch(result) <= MismatchBudget().mean_abs_logprob_diff

@@ -114,7 +114,7 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
 @contextmanager
 def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
     """``python -m lockstep_workers.actor`` on a tiny model with the arguments the operator renders under the
-    default policy; yields its URL, its model and the process once it reports ready."""
+    default policy; yields its URL, its model and the process once it reports ready (its log: ``actor.log``)."""
     from lockstep.api import VllmSettings
     from lockstep.parity import default_policy, settings_dict
     from lockstep.podconfig import actor_args
@@ -166,59 +166,73 @@ def _stop(actor: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(tmp_path: Path) -> None:
-    with actor_process(tmp_path) as (base, _, actor):
-        with urllib.request.urlopen(f"{base}/ready", timeout=5) as response:
-            ready = json.loads(response.read())
-        assert ready["engineArgs"] == {
-            "logprobs_mode": "processed_logprobs",
-            "enable_prefix_caching": False,
-            "async_scheduling": False,
-            "hf_overrides": {"head_dtype": "float32"},
-            "dtype": "float32",
-            "enforce_eager": True,
-            "max_model_len": 256,
-            "gpu_memory_utilization": 0.2,
-        }, "every setting the operator rendered but one, applied by vLLM's names"
-        assert ready["satisfiedByConstruction"] == ["disableCascadeAttn"], "vLLM 0.32 has no cascade attention"
-        assert "UserWarning: --disable-cascade-attn" not in (tmp_path / "actor.log").read_text(), "not passed"
-        body = json.dumps(
-            {"prompt_token_ids": [1, 5, 6], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
-        ).encode()
-        request = urllib.request.Request(f"{base}/generate", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            result = json.loads(response.read())
-        assert len(result["token_ids"]) == len(result["logprobs"]) == len(result["weights_versions"]) == 8
-        assert all(lp <= 0 for lp in result["logprobs"])
-        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
-            assert "lockstep_actor_generated_tokens_total 8.0" in response.read().decode()
-        bad = {
-            b"not json": "body: not JSON",
-            b'{"sampling": {}}': "prompt_token_ids: expected a non-empty list",
-            b'{"prompt_token_ids": [1, "2"]}': "prompt_token_ids: expected a non-empty list",
-            b'{"prompt_token_ids": [1], "sampling": []}': "sampling: expected an object",
-            b'{"prompt_token_ids": [1], "sampling": {"temperature": -1}}': "sampling: temperature must be",
-            b'{"prompt_token_ids": [1], "sampling": {"colour": 1}}': "sampling: ",
-            b'{"prompt_token_ids": [1, 99999999]}': "prompt_token_ids or sampling: ",
-            b'{"prompt_token_ids": [1], "sampling": {"n": 2}}': "sampling.n: the actor returns one completion",
-            b'{"prompt_token_ids": [1], "sampling": {"logprobs": 5}}': "sampling: ",
-            b"[1, 2]": "prompt_token_ids: expected a non-empty list",
-        }
-        for sent, named in bad.items():
-            with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(urllib.request.Request(f"{base}/generate", data=sent), timeout=30)
-            assert refused.value.code == 400, sent
-            assert json.loads(refused.value.read())["error"].startswith(named), sent
-        for path in ("/collective_rpc", "/reset_prefix_cache", "/v1/completions"):
-            with pytest.raises(urllib.error.HTTPError) as missing:
-                urllib.request.urlopen(urllib.request.Request(f"{base}{path}", data=b"{}"), timeout=5)
-            assert missing.value.code in (404, 405)
-        children = psutil.Process(actor.pid).children(recursive=True)
-        assert children, "vLLM runs its engine in child processes"
-        actor.terminate()
-        assert actor.wait(timeout=60) == 0, "SIGTERM shuts the actor down cleanly"
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f"vLLM processes left behind: {alive}"
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
+    """One actor process for the module's tests that only send it requests; the last test stops it."""
+    with actor_process(tmp_path_factory.mktemp("actor")) as started:
+        yield started
+
+
+GENERATED = "lockstep_actor_generated_tokens_total "
+
+
+def generated_tokens(base: str) -> float:
+    """The actor's count of generated tokens, from its /metrics."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
+        [line] = [line for line in response.read().decode().splitlines() if line.startswith(GENERATED)]
+    return float(line.split()[-1])
+
+
+def test_the_actor_process_serves_the_operators_arguments_and_nothing_else(
+    served: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
+    base, model_dir, _ = served
+    with urllib.request.urlopen(f"{base}/ready", timeout=5) as response:
+        ready = json.loads(response.read())
+    assert ready["engineArgs"] == {
+        "logprobs_mode": "processed_logprobs",
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+        "hf_overrides": {"head_dtype": "float32"},
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "gpu_memory_utilization": 0.2,
+    }, "every setting the operator rendered but one, applied by vLLM's names"
+    assert ready["satisfiedByConstruction"] == ["disableCascadeAttn"], "vLLM 0.32 has no cascade attention"
+    log = (model_dir.parent / "actor.log").read_text()
+    assert "UserWarning: --disable-cascade-attn" not in log, "not passed"
+    before = generated_tokens(base)
+    body = json.dumps(
+        {"prompt_token_ids": [1, 5, 6], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
+    ).encode()
+    request = urllib.request.Request(f"{base}/generate", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        result = json.loads(response.read())
+    assert len(result["token_ids"]) == len(result["logprobs"]) == len(result["weights_versions"]) == 8
+    assert all(lp <= 0 for lp in result["logprobs"])
+    assert generated_tokens(base) == before + 8
+    bad = {
+        b"not json": "body: not JSON",
+        b'{"sampling": {}}': "prompt_token_ids: expected a non-empty list",
+        b'{"prompt_token_ids": [1, "2"]}': "prompt_token_ids: expected a non-empty list",
+        b'{"prompt_token_ids": [1], "sampling": []}': "sampling: expected an object",
+        b'{"prompt_token_ids": [1], "sampling": {"temperature": -1}}': "sampling: temperature must be",
+        b'{"prompt_token_ids": [1], "sampling": {"colour": 1}}': "sampling: ",
+        b'{"prompt_token_ids": [1, 99999999]}': "prompt_token_ids or sampling: ",
+        b'{"prompt_token_ids": [1], "sampling": {"n": 2}}': "sampling.n: the actor returns one completion",
+        b'{"prompt_token_ids": [1], "sampling": {"logprobs": 5}}': "sampling: ",
+        b"[1, 2]": "prompt_token_ids: expected a non-empty list",
+    }
+    for sent, named in bad.items():
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{base}/generate", data=sent), timeout=30)
+        assert refused.value.code == 400, sent
+        assert json.loads(refused.value.read())["error"].startswith(named), sent
+    for path in ("/collective_rpc", "/reset_prefix_cache", "/v1/completions"):
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(urllib.request.Request(f"{base}{path}", data=b"{}"), timeout=5)
+        assert missing.value.code in (404, 405)
 
 
 async def two_turns(row: Mapping[str, Any], prompt_token_ids: list[int], client: Any) -> Any:
@@ -235,7 +249,9 @@ async def two_turns(row: Mapping[str, Any], prompt_token_ids: list[int], client:
     )
 
 
-def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path: Path) -> None:
+def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(
+    served: tuple[str, Path, subprocess.Popen[bytes]],
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -244,10 +260,10 @@ def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path
     from lockstep_workers.rewards import target_words
     from lockstep_workers.rollouts import FixedActors, collect_rollouts
 
-    with actor_process(tmp_path) as (base, model_dir, _):
-        sampling = {"temperature": 0.7, "max_tokens": 12, "ignore_eos": True}
-        rollouts = asyncio.run(collect_rollouts(FixedActors([base]), [[1, 10, 11], [1, 20, 21]], 4, sampling))
-        episodes = asyncio.run(collect_rollouts(FixedActors([base]), [[1, 30, 31]], 4, sampling, function=two_turns))
+    base, model_dir, _ = served
+    sampling = {"temperature": 0.7, "max_tokens": 12, "ignore_eos": True}
+    rollouts = asyncio.run(collect_rollouts(FixedActors([base]), [[1, 10, 11], [1, 20, 21]], 4, sampling))
+    episodes = asyncio.run(collect_rollouts(FixedActors([base]), [[1, 30, 31]], 4, sampling, function=two_turns))
     assert len(rollouts) == 8 and all(len(r.completion) == 12 for r in rollouts)
     assert all(r.policy_mask == [True] * 12 + [False] * 3 + [True] * 5 for r in episodes)
     rollouts += [replace(r, group=2) for r in episodes]  # the second turn is exact after the inserted tokens
@@ -265,3 +281,14 @@ def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(tmp_path
     )
     assert metrics["mean_abs_logprob_diff"] < 1e-4
     assert metrics["ess"] > 0.9999
+
+
+def test_sigterm_shuts_the_actor_process_down_cleanly(served: tuple[str, Path, subprocess.Popen[bytes]]) -> None:
+    """Last in the module: it stops the process the tests before it shared."""
+    _, _, actor = served
+    children = psutil.Process(actor.pid).children(recursive=True)
+    assert children, "vLLM runs its engine in child processes"
+    actor.terminate()
+    assert actor.wait(timeout=60) == 0, "SIGTERM shuts the actor down cleanly"
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"vLLM processes left behind: {alive}"

@@ -165,7 +165,7 @@ def test_a_trainer_killed_mid_publish_leaves_no_partial_version(tmp_path: Path) 
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     trainer = subprocess.Popen([sys.executable, "-c", KILLED_MID_PUBLISH, str(directory), str(marker)], env=environment)
     try:
-        wait_for(lambda: marker.exists() or trainer.poll() is not None, "version 2 to be written", timeout=300)
+        wait_for(lambda: marker.exists() or trainer.poll() is not None, "version 2 to be written", timeout=240)
         assert trainer.poll() is None, "the publisher ended before it was killed"
         trainer.send_signal(signal.SIGKILL)
     finally:

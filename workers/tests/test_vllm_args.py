@@ -78,7 +78,7 @@ def test_the_actor_refuses_to_start_on_a_setting_its_vllm_cannot_honour(tmp_path
         [sys.executable, "-m", "lockstep_workers.actor", f"--model={tmp_path}", "--no-disable-cascade-attn"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=240,  # within pytest's 300 s, so that a hung start fails here with its stderr
     )
     assert run.returncode == 1, run.stderr[-3000:]
     assert "the actor does not start" in run.stderr and "disableCascadeAttn=false asks for cascade" in run.stderr
