@@ -442,6 +442,8 @@ class ActorResult:
     """vLLM's workers reading the staged copy into tensors (TimedReloader.lockstep_timed_reload), paused."""
     vllm_reload_from_memory_s: float
     """vLLM's reload_weights from tensors its worker already held, paused."""
+    load_check_s: float
+    """The re-tie and the load check after that reload (lockstep_workers.load_check), which every swap includes."""
     before: UpdateTimes
     """Staged inside the pause (the agent before issue 22's staging)."""
     after: UpdateTimes
@@ -513,7 +515,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
     idle: list[tuple[float, float]] = []
     before: list[UpdateTimes] = []
     after: list[UpdateTimes] = []
-    floors, reads, reloads = [], [], []
+    floors, reads, reloads, checks = [], [], [], []
     staging: list[tuple[float, float]] = []
     updating: list[tuple[float, float]] = []
     before_staging: list[tuple[float, float]] = []
@@ -556,6 +558,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
                         await llm.resume_generation()
                     reads.append(timed["read"])
                     reloads.append(timed["reload"])
+                    checks.append(timed["check"])
                 else:
                     before.append(UpdateTimes.of(actor.updates[-1], announced))
                     before_staging.append(engine.staging[-1])
@@ -568,6 +571,7 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
             copy_floor_s=_median(floors),
             vllm_read_s=_median(reads),
             vllm_reload_from_memory_s=_median(reloads),
+            load_check_s=_median(checks),
             before=_median_times(before),
             after=_median_times(after),
             tokens_per_s_idle=round(generation.tokens(idle), 1),
@@ -587,7 +591,8 @@ async def _actor_size(target: float, repeats: int, scratch: Path, backend: Weigh
     print(
         f"{result.transport}, {result.gigabytes:5.2f} GB: floor {result.copy_floor_s:.3f} s,"
         f" vLLM read {result.vllm_read_s:.3f} s"
-        f" + reload from memory {result.vllm_reload_from_memory_s:.3f} s | before: {_times(result.before)}"
+        f" + reload from memory {result.vllm_reload_from_memory_s:.3f} s + load check {result.load_check_s:.3f} s"
+        f" | before: {_times(result.before)}"
         f" | after: {_times(result.after)} | tokens/s idle {result.tokens_per_s_idle}, staging"
         f" {result.tokens_per_s_staging}, staging inside the pause {result.tokens_per_s_before_staging}, updating"
         f" {result.tokens_per_s_updating} | longest gap idle {result.longest_gap_idle_s:.3f} s, updating"

@@ -71,16 +71,21 @@ def _download(into: Path) -> Path:
 
 def convert(gguf: Path, target: Path) -> None:
     """Write the GGUF model at ``gguf`` as a Hugging Face directory at ``target`` (which must not exist).
-    ``save_pretrained`` refuses a model loaded from a GGUF, so the weights go through safetensors' ``save_model``
-    (shared tensors once) and the config is written without its quantization settings."""
+    ``save_pretrained`` refuses a model loaded from a GGUF, so the weights go through safetensors (a tied head
+    written once, as the embeddings) and the config is written without its quantization settings."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     target.mkdir()
-    save_model(model, str(target / "model.safetensors"), metadata={"format": "pt"})
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:  # named once, as the embeddings, as Hugging Face checkpoints do
+        state.pop("lm_head.weight")
+    save_file(
+        {name: tensor.contiguous() for name, tensor in state.items()}, target / "model.safetensors", {"format": "pt"}
+    )
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["torch_dtype"] = config["dtype"] = "float32"

@@ -221,8 +221,9 @@ class Actor:
             await receive(self.llm, source, self.backend)
         elif self.adapters is not None and self.adapter_files is not None:
             await self._add_adapter(weights.version, source.path)
-        else:
-            await self.llm.collective_rpc("lockstep_reload", args=(source.path,))
+        else:  # every worker checks that it computes with the file's tensors (lockstep_workers.load_check)
+            reports = await self.llm.collective_rpc("lockstep_reload", args=(source.path,))
+            logger.info("weights version %d loaded and checked in every vLLM worker: %s", weights.version, reports)
         self.loaded = weights.version
         loaded_at = time.time()
         self.updates.append(

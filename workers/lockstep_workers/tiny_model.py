@@ -38,13 +38,14 @@ def create_tiny_llama(
     dtype: str = "float32",
     seed: int = 0,
     head_scale: float = 1.0,
+    tie_word_embeddings: bool = False,
     words: Sequence[str] = (),
     chat_template: str | None = None,
 ) -> Path:
     """Write a random Llama (config, safetensors weights, tokenizer) to ``directory`` and return it.
 
     head_dim is 64: the CPU attention kernel rejects smaller heads. The MLP is ``intermediate_size`` wide (twice
-    ``hidden_size`` unless given). ``head_scale`` multiplies the lm_head. The
+    ``hidden_size`` unless given). ``head_scale`` multiplies the lm_head (the embeddings too, when tied). The
     vocabulary holds ``words`` (vocabulary); the tokenizer has ``chat_template`` if given.
     """
     import torch
@@ -66,7 +67,7 @@ def create_tiny_llama(
         max_position_embeddings=1024,
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         dtype=dtype,
     )
     model = LlamaForCausalLM(config)

@@ -1,0 +1,136 @@
+"""What the actor checks inside each vLLM worker after loading a weights version, before it may resume: that the
+engine computes with the published tensors, derived copies included.
+
+vLLM derives state from the weights at load time: on its CPU backend each linear module keeps a repacked copy that
+its kernel reads, a tied head shares the embeddings' parameter, fused modules (qkv_proj, gate_up_proj) stack
+several checkpoint tensors. A reload that misses one of these serves a mix of versions with no error. So for every
+module with a weight the check compares, on a few columns, the parameter (where vLLM keeps it) and what the module computes
+(its kernel applied to one-hot inputs, which returns those columns exactly) with the published tensors, fused
+ones concatenated as vLLM stacks them; every other parameter the file names is compared whole. A difference
+raises LoadMismatch naming the module. It costs one read of the file and one small product per module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+PROBE_COLUMNS = 4
+"""Columns of each weight matrix checked: a stale or half-loaded matrix differs in nearly every column."""
+
+
+class LoadMismatch(RuntimeError):
+    """The engine does not compute with the published tensors; the message names the module."""
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What a check compared: modules through their kernels, other parameters whole, and the published tensors
+    that no module of this worker holds (a tensor-parallel shard, a name vLLM maps differently)."""
+
+    modules: int = 0
+    parameters: int = 0
+    unchecked: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"modules": self.modules, "parameters": self.parameters, "unchecked": self.unchecked}
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The names of modules that share one weight parameter (a head tied to the embeddings), each group in module
+    order: the first is the one a checkpoint names."""
+    groups: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            groups.setdefault(id(weight), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Tie each group's modules to its first one's (reloaded) parameter again, and let vLLM derive their state from
+    it anew (process_weights_after_loading: the CPU backend's repacked copy)."""
+    for source_name, *names in groups:
+        source = model.get_submodule(source_name)
+        for name in names:
+            module = model.get_submodule(name)
+            module.weight = source.weight
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def check_loaded(model: torch.nn.Module, path: Path, tied: list[list[str]]) -> LoadReport:
+    """Compare ``model`` with the tensors of the safetensors file at ``path``; raise LoadMismatch at the first
+    module or parameter that differs."""
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
+    tied_to = {name: group[0] for group in tied for name in group[1:]}
+    report = LoadReport()
+    with safe_open(str(path), "pt") as published:
+        names = set(published.keys())
+        checked: set[str] = set()
+        for module_name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not (isinstance(weight, torch.Tensor) and hasattr(module, "quant_method")):
+                continue
+            sources = _published_names(module_name, packed, tied_to, names)
+            if sources is None:
+                continue
+            expected = torch.cat([published.get_tensor(name) for name in sources])
+            if weight.ndim == 2 and (expected.shape[1] != weight.shape[1] or expected.shape[0] > weight.shape[0]):
+                continue  # a tensor-parallel shard: this worker holds part of it
+            _check_module(module_name, module, weight, expected, sources)
+            checked.update(sources)
+            report.modules += 1
+        for name, parameter in model.named_parameters():
+            if (
+                name in names
+                and name not in checked
+                and tuple(parameter.shape) == tuple(published.get_slice(name).get_shape())
+            ):
+                if not torch.equal(parameter.detach(), published.get_tensor(name).to(parameter.dtype)):
+                    raise LoadMismatch(f"{name} differs from the published tensor of the same name after the load")
+                checked.add(name)
+                report.parameters += 1
+        report.unchecked = sorted(names - checked)
+    return report
+
+
+def _published_names(
+    module_name: str, packed: dict[str, list[str]], tied_to: dict[str, str], names: set[str]
+) -> list[str] | None:
+    """The published tensors a module holds, in the order vLLM stacks them; None when the file names none."""
+    prefix, _, leaf = module_name.rpartition(".")
+    parts = [f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in packed.get(leaf, [leaf])]
+    if all(name in names for name in parts):
+        return parts
+    own = f"{module_name}.weight"
+    if own not in names and module_name in tied_to and f"{tied_to[module_name]}.weight" in names:
+        return [f"{tied_to[module_name]}.weight"]
+    return None
+
+
+def _check_module(
+    name: str, module: torch.nn.Module, weight: torch.Tensor, expected: torch.Tensor, sources: list[str]
+) -> None:
+    rows, width = expected.shape
+    columns = sorted({round(i * (width - 1) / max(PROBE_COLUMNS - 1, 1)) for i in range(PROBE_COLUMNS)})
+    want = expected[:, columns].to(weight.dtype)
+    what = " + ".join(sources)
+    # The CPU backend keeps only its repacked copy of a linear module's weight (the parameter is emptied).
+    if weight.ndim == 2 and not torch.equal(weight.detach()[:rows, columns], want):
+        raise LoadMismatch(f"{name}: its weight is not the published {what} after the load")
+    one_hot = torch.zeros(len(columns), width, dtype=weight.dtype, device=weight.device)
+    one_hot[range(len(columns)), columns] = 1
+    with torch.no_grad():
+        computed = module.quant_method.apply(module, one_hot)[:, :rows].T
+    if not torch.equal(computed, want):
+        largest = (computed.float() - want.float()).abs().max().item()
+        raise LoadMismatch(
+            f"{name}: vLLM computes with weights other than the published {what} after the load (largest "
+            f"difference {largest:.3g}): a copy vLLM derived at load time was not refreshed"
+        )
