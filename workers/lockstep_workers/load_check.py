@@ -3,9 +3,10 @@ engine computes with the published tensors, derived copies included.
 
 vLLM derives state from the weights at load time: on its CPU backend each linear module keeps a repacked copy that
 its kernel reads, a tied head shares the embeddings' parameter, fused modules (qkv_proj, gate_up_proj) stack
-several checkpoint tensors. A reload that misses one of these serves a mix of versions with no error. So for every
-module with a weight the check compares, on a few columns, the parameter (where vLLM keeps it) and what the module computes
-(its kernel applied to one-hot inputs, which returns those columns exactly) with the published tensors, fused
+several checkpoint tensors. A reload that misses one of these serves a mix of versions with no error. So for
+every module with a weight the check compares, on a few columns, the parameter (where vLLM keeps it) and what the
+module computes (its kernel applied to one-hot inputs, which returns those columns exactly) with the published
+tensors, fused
 ones concatenated as vLLM stacks them; every other parameter the file names is compared whole. A difference
 raises LoadMismatch naming the module. It costs one read of the file and one small product per module.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -113,7 +113,7 @@ def test_the_load_check_names_a_head_whose_derived_copy_was_not_refreshed(tmp_pa
             self.quant_method.process_weights_after_loading(self)
 
     class Model(torch.nn.Module):
-        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        packed_modules_mapping: ClassVar = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
         def __init__(self) -> None:
             super().__init__()
