@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client
 from rich.console import Console
@@ -84,8 +85,15 @@ def metrics_table(result: RunResult) -> Table:
     for title, _, _ in columns:
         table.add_column(title, justify="right")
     for record in result.steps:
-        table.add_row(*(form.format(record[key]) if key in record else "" for _, key, form in columns))
+        table.add_row(*(_cell(record, key, form) for _, key, form in columns))
     return table
+
+
+def _cell(record: dict[str, Any], key: str, form: str) -> str:
+    """A metric as the table shows it: blank where the step has no such metric, "none" where it measured nothing."""
+    if key not in record:
+        return ""
+    return "none" if record[key] is None else form.format(record[key])
 
 
 @contextlib.contextmanager

@@ -6,9 +6,8 @@ its kernel reads, a tied head shares the embeddings' parameter, fused modules (q
 several checkpoint tensors. A reload that misses one of these serves a mix of versions with no error. So for
 every module with a weight the check compares, on a few columns, the parameter (where vLLM keeps it) and what the
 module computes (its kernel applied to one-hot inputs, which returns those columns exactly) with the published
-tensors, fused
-ones concatenated as vLLM stacks them; every other parameter the file names is compared whole. A difference
-raises LoadMismatch naming the module. It costs one read of the file and one small product per module.
+tensors, fused ones concatenated as vLLM stacks them; every other parameter the file names is compared whole. A
+difference raises LoadMismatch naming the module. It costs one read of the file and one small product per module.
 """
 
 from __future__ import annotations
@@ -128,7 +127,8 @@ def _check_module(
     one_hot = torch.zeros(len(columns), width, dtype=weight.dtype, device=weight.device)
     one_hot[range(len(columns)), columns] = 1
     with torch.no_grad():
-        computed = module.quant_method.apply(module, one_hot)[:, :rows].T
+        kernel: Any = module.quant_method
+        computed = kernel.apply(module, one_hot)[:, :rows].T
     if not torch.equal(computed, want):
         largest = (computed.float() - want.float()).abs().max().item()
         raise LoadMismatch(

@@ -37,6 +37,10 @@ LOG_WEIGHT_BOUND = 20.0
 ratios overflows otherwise. The mismatch metrics clamp each token's log rho the same before exp (rho, rho squared,
 k3): unclamped, one token at log rho = 30 gives chi2_token 1e24, at 360 rho squared overflows, at 710 rho is
 infinite and ESS NaN."""
+ONPOLICY_MISMATCH = "onpolicy_mean_abs_logprob_diff"
+"""The parity measurement: mean |Δlogprob| over the step's tokens sampled wholly under the trainer's weights. A step
+with no such token measured nothing: the metric is absent from its metrics (null in metrics.jsonl, "none" in the
+log), never 0.0, which would read as perfect parity."""
 SUM = "sum:"
 MAX = "max:"
 """The prefixes of the statistics in ``learn``'s result, which ``across_ranks`` combines and turns into metrics."""
@@ -128,7 +132,8 @@ class Statistics:
             out["zero_advantage_group_fraction"] = ratio("zero_advantage_groups", "groups")
             out["outside_top_p_fraction"] = ratio("outside_top_p", "sampled_tokens")
         if "onpolicy_tokens" in s:
-            out["onpolicy_mean_abs_logprob_diff"] = ratio("onpolicy_abs_logprob_diff", "onpolicy_tokens")
+            if s["onpolicy_tokens"]:  # else not measured: absent (null in metrics.jsonl), never 0.0
+                out[ONPOLICY_MISMATCH] = ratio("onpolicy_abs_logprob_diff", "onpolicy_tokens")
             out["onpolicy_token_fraction"] = ratio("onpolicy_tokens", "tokens")
             out["spanning_sequence_fraction"] = ratio("spanning", "samples")
             out["staleness"] = m["staleness"]

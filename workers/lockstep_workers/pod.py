@@ -21,6 +21,7 @@ from lockstep.api import BudgetMetric, WeightSyncBackend
 from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import EvalResult, Mismatch, Weights, document
 from lockstep_workers.checkpoint import checkpoints_directory
+from lockstep_workers.objective import ONPOLICY_MISMATCH
 from lockstep_workers.scoring import RewardInput
 from lockstep_workers.transfer import ManifestServer, Sender
 from lockstep_workers.weights import weights_directory
@@ -38,7 +39,7 @@ STEP_METRICS = (
     "kl_new_old",
     "ess",
     "mean_abs_logprob_diff",
-    "onpolicy_mean_abs_logprob_diff",
+    ONPOLICY_MISMATCH,
     "onpolicy_token_fraction",
     "spanning_sequence_fraction",
     "staleness",
@@ -192,17 +193,20 @@ def announce(
 
 def step_reports(step: int, metrics: Mapping[str, float]) -> tuple[Mismatch | None, EvalResult | None]:
     """What trainer rank 0 reports of ``step`` (lockstep.dev/mismatch, lockstep.dev/evaluation), from its metrics,
-    never a number the wire documents refuse: a budget metric that is not finite is left out; a mismatch whose
+    never a number the wire documents refuse: no mismatch for a step that measured none (no token sampled under the
+    trainer's weights); a budget metric that is not finite is left out; a mismatch whose
     on-policy measurement, or an evaluation whose reward, is not finite is not reported (each logged)."""
     finite = {name: value for name, value in metrics.items() if math.isfinite(value)}
     left_out = sorted(name.value for name in BudgetMetric if name.value in metrics and name.value not in finite)
     if left_out:
         logger.warning("step %d: metrics %s are not finite and are left out of its report", step, ", ".join(left_out))
     mismatch = None
-    if "onpolicy_mean_abs_logprob_diff" in finite and "onpolicy_token_fraction" in finite:
+    if ONPOLICY_MISMATCH not in metrics:
+        pass  # measured nothing: no report, the operator keeps the last measurement (status.mismatch.step says which)
+    elif ONPOLICY_MISMATCH in finite and "onpolicy_token_fraction" in finite:
         mismatch = Mismatch(
             step=step,
-            mean_abs_logprob_diff=finite["onpolicy_mean_abs_logprob_diff"],
+            mean_abs_logprob_diff=finite[ONPOLICY_MISMATCH],
             token_fraction=finite["onpolicy_token_fraction"],
             stale_samples_dropped=int(finite.get("stale_samples_dropped", 0)),
             metrics={name.value: finite[name.value] for name in BudgetMetric if name.value in finite},
@@ -229,13 +233,16 @@ def committed_weights(env: PodEnvironment) -> Weights | None:
 
 
 def record(env: PodEnvironment, step: int, seconds: float, metrics: Mapping[str, float]) -> None:
-    """Append the step to metrics.jsonl and set its gauges."""
-    line = {"step": step, "version": step, "seconds": round(seconds, 3), **metrics}
+    """Append the step to metrics.jsonl and set its gauges; the on-policy mismatch of a step that measured none is
+    null there and NaN in its gauge."""
+    line = {"step": step, "version": step, "seconds": round(seconds, 3), ONPOLICY_MISMATCH: None, **metrics}
     with env.metrics_file.open("a") as stream:
         stream.write(json.dumps(line) + "\n")
     for name, gauge in GAUGES.items():
         if name in metrics:
             gauge.set(metrics[name])
+    if ONPOLICY_MISMATCH not in metrics:  # measured nothing: NaN, Prometheus' "no value", not the last step's
+        GAUGES[ONPOLICY_MISMATCH].set(math.nan)
     for name, value in metrics.items():
         if name.startswith(LAG_PREFIX) and name.endswith(LAG_SUFFIX):
             for _ in range(int(value)):

@@ -48,6 +48,7 @@ from lockstep_workers import checkpoint, lora, sharding
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
 from lockstep_workers.episodes import RolloutFunction, single_turn
 from lockstep_workers.learner import Policy, Rollout, across_ranks, lag_of, learn
+from lockstep_workers.objective import ONPOLICY_MISMATCH
 from lockstep_workers.pipeline import Group, RolloutProducer, Schedule
 from lockstep_workers.pod import (
     EVAL_REWARD,
@@ -579,15 +580,17 @@ def _publish_and_announce(
         mismatch, evaluation = step_reports(step, metrics)
         announce(_as_announced(env, weights), env.namespace, env.pod, mismatch, evaluation)
     record(env, step, seconds, metrics)
-    if metrics["onpolicy_mean_abs_logprob_diff"] > budget:
+    measured = metrics.get(ONPOLICY_MISMATCH)
+    if measured is not None and measured > budget:
         logger.warning(
             "step %d: mean |logprob difference| %.2e on on-policy tokens exceeds the ParityPolicy budget %.2e",
             step,
-            metrics["onpolicy_mean_abs_logprob_diff"],
+            measured,
             budget,
         )
     logger.info(
-        "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, staleness %d, %.1fs; announced weights version "
+        "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, on-policy |Δlogprob| %s, staleness %d, %.1fs; "
+        "announced weights version "
         "%d (blocked %.2fs gathering and %.2fs waiting for the previous publish; written in %.2fs in the background)",
         step,
         settings.steps,
@@ -595,6 +598,7 @@ def _publish_and_announce(
         metrics["clamp_log_ratio_new_old_indicator"],
         metrics["kl_new_old"],
         metrics["ess"],
+        "none (no token sampled under the trainer's weights)" if measured is None else f"{measured:.2e}",
         metrics["staleness"],
         seconds,
         step,

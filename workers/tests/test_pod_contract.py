@@ -83,3 +83,39 @@ def test_the_trainer_reports_no_number_the_wire_documents_refuse(caplog: pytest.
     assert "metrics chi2_token, ess are not finite" in caplog.text
     diverged = {**metrics, "onpolicy_mean_abs_logprob_diff": float("nan"), EVAL_REWARD: float("nan")}
     assert step_reports(7, diverged) == (None, None)
+
+
+def test_a_step_that_measured_no_on_policy_token_says_none_never_zero(tmp_path: Path) -> None:
+    """With maxLag >= 1 a step may hold no token sampled under the trainer's weights: its on-policy mismatch is
+    absent from its metrics, null in metrics.jsonl, NaN in its gauge, and not reported to the operator (which keeps
+    the last measurement), never 0.0, which reads as perfect parity."""
+    import json
+    import math
+
+    from lockstep import environment
+    from lockstep_workers.objective import ONPOLICY_MISMATCH, Statistics
+    from lockstep_workers.pod import GAUGES, PodEnvironment, record, step_reports
+
+    stale = Statistics(
+        {
+            "onpolicy_tokens": 0.0,
+            "onpolicy_abs_logprob_diff": 0.0,
+            "tokens": 12.0,
+            "spanning": 0.0,
+            "samples": 4.0,
+            "reward": 1.0,
+            "zero_advantage_groups": 0.0,
+            "groups": 1.0,
+            "outside_top_p": 0.0,
+            "sampled_tokens": 12.0,
+        },
+        {"staleness": 1.0},
+    )
+    metrics = stale.metrics()
+    assert ONPOLICY_MISMATCH not in metrics and metrics["onpolicy_token_fraction"] == 0.0
+    assert step_reports(3, metrics) == (None, None)
+    env = PodEnvironment.from_environ({environment.SHARED_DIR: str(tmp_path)})
+    record(env, 3, 1.0, metrics)
+    [line] = env.metrics_file.read_text().splitlines()
+    assert json.loads(line)[ONPOLICY_MISMATCH] is None
+    assert math.isnan(GAUGES[ONPOLICY_MISMATCH]._value.get())
