@@ -7,7 +7,8 @@ several checkpoint tensors. A reload that misses one of these serves a mix of ve
 every module with a weight the check compares, on a few columns, the parameter (where vLLM keeps it) and what the
 module computes (its kernel applied to one-hot inputs, which returns those columns exactly) with the published
 tensors, fused ones concatenated as vLLM stacks them; every other parameter the file names is compared whole. A
-difference raises LoadMismatch naming the module. It costs one read of the file and one small product per module.
+difference raises LoadMismatch naming the module. It reads only the probed columns of the file, and costs one
+small product per module.
 """
 
 from __future__ import annotations
@@ -80,10 +81,15 @@ def check_loaded(model: torch.nn.Module, path: Path, tied: list[list[str]]) -> L
             sources = _published_names(module_name, packed, tied_to, names)
             if sources is None:
                 continue
-            expected = torch.cat([published.get_tensor(name) for name in sources])
-            if weight.ndim == 2 and (expected.shape[1] != weight.shape[1] or expected.shape[0] > weight.shape[0]):
+            shapes = [published.get_slice(name).get_shape() for name in sources]
+            rows, width = sum(shape[0] for shape in shapes), shapes[0][1]
+            if weight.ndim == 2 and (width != weight.shape[1] or rows > weight.shape[0]):
                 continue  # a tensor-parallel shard: this worker holds part of it
-            _check_module(module_name, module, weight, expected, sources)
+            columns = sorted({round(i * (width - 1) / max(PROBE_COLUMNS - 1, 1)) for i in range(PROBE_COLUMNS)})
+            expected = torch.cat(  # only the probed columns are read, not the whole tensors
+                [torch.cat([published.get_slice(name)[:, j : j + 1] for j in columns], dim=1) for name in sources]
+            )
+            _check_module(module_name, module, weight, expected, columns, width, sources)
             checked.update(sources)
             report.modules += 1
         for name, parameter in model.named_parameters():
@@ -115,11 +121,18 @@ def _published_names(
 
 
 def _check_module(
-    name: str, module: torch.nn.Module, weight: torch.Tensor, expected: torch.Tensor, sources: list[str]
+    name: str,
+    module: torch.nn.Module,
+    weight: torch.Tensor,
+    expected: torch.Tensor,
+    columns: list[int],
+    width: int,
+    sources: list[str],
 ) -> None:
-    rows, width = expected.shape
-    columns = sorted({round(i * (width - 1) / max(PROBE_COLUMNS - 1, 1)) for i in range(PROBE_COLUMNS)})
-    want = expected[:, columns].to(weight.dtype)
+    """``expected``: the published ``columns`` of the module's weight (``width`` wide), stacked as vLLM stacks
+    ``sources``."""
+    rows = expected.shape[0]
+    want = expected.to(weight.dtype)
     what = " + ".join(sources)
     # The CPU backend keeps only its repacked copy of a linear module's weight (the parameter is emptied).
     if weight.ndim == 2 and not torch.equal(weight.detach()[:rows, columns], want):
