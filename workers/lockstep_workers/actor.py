@@ -261,8 +261,15 @@ class Actor:
             await self._remove_adapters(self.adapters.serve(version))
 
     async def _add_adapter(self, version: int, verified: str) -> None:
-        """Load version ``version``'s adapter from the verified copy of its file, generation going on."""
+        """Load version ``version``'s adapter from the verified copy of its file, generation going on; an adapter
+        with a NaN or infinite value is refused."""
         assert self.adapter_files is not None
+        not_finite = await asyncio.to_thread(_not_finite, Path(verified))
+        if not_finite:
+            raise ValueError(
+                f"weights version {version}: the adapter's {', '.join(not_finite[:3])} hold NaN or infinite values "
+                "(a diverged step); refused, the actor keeps serving the version it has"
+            )
         await self._load_base_adapter()
         await self._register(version, self.adapter_files.write(version, verified))
 
@@ -278,10 +285,18 @@ class Actor:
             self.adapters.serve(BASE_VERSION)
 
     async def _register(self, version: int, path: Path) -> None:
+        """Add the adapter at ``path`` to vLLM as ``version``; a failed add leaves nothing registered (vLLM may
+        list an adapter it failed to activate, and would report a retry of the same id as already loaded)."""
         assert self.adapters is not None and self.adapter_files is not None
-        if not await self.llm.add_lora(_lora_request(version, self.adapter_files)):
+        try:
+            added, failure = await self.llm.add_lora(_lora_request(version, self.adapter_files)), ""
+        except Exception as error:  # vLLM's own words on the adapter (a shape that does not fit the model)
+            added, failure = False, f": {error}"
+        if not added:
+            with contextlib.suppress(Exception):
+                await self.llm.remove_lora(adapter_id(version))
             self.adapter_files.remove(version)
-            raise RuntimeError(f"vLLM did not load the adapter of weights version {version} from {path}")
+            raise RuntimeError(f"vLLM did not load the adapter of weights version {version} from {path}{failure}")
         self.adapters.add(version)
 
     async def _remove_adapters(self, versions: list[int]) -> None:
@@ -293,6 +308,15 @@ class Actor:
             self.adapters.removed(version)
             self.adapter_files.remove(version)
             logger.info("unloaded the adapter of weights version %d: no request uses it", version)
+
+
+def _not_finite(path: Path) -> list[str]:
+    """The names of the tensors in the safetensors file at ``path`` that hold a NaN or an infinite value."""
+    import torch
+
+    from lockstep_workers.weights import tensors
+
+    return [name for name, tensor in tensors(path) if not bool(torch.isfinite(tensor).all())]
 
 
 def _lora_request(version: int | None, files: AdapterFiles | None) -> Any:

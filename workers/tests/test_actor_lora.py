@@ -97,6 +97,7 @@ def test_adapters_update_while_requests_run_with_no_pause_and_exact_logprobs(tmp
                 assert actor.serving == version - 1, "new requests take the new adapter only once resumed"
                 assert PAUSED._value.get() == 0, "a LoRA update never pauses generation"
                 await actor.resume()
+            await refuse_broken_adapters(actor, origin, published[1][0], tmp_path / "weights")
             started[3] = [asyncio.create_task(actor.generate(PROMPT, SHORT))]
             results = {v: list(await asyncio.gather(*tasks)) for v, tasks in started.items()}
             return results, actor, await llm.list_loras()
@@ -121,6 +122,31 @@ def test_adapters_update_while_requests_run_with_no_pause_and_exact_logprobs(tmp
     assert all(difference < 1e-3 for difference in worst.values()), f"max |Δlogprob| by version: {worst}"
     base = expected_logprobs(published, 0, results[3][0])
     assert (torch.tensor(results[3][0]["logprobs"]) - base).abs().max().item() > 0.01, "the adapters change tokens"
+
+
+async def refuse_broken_adapters(actor: Any, origin: Any, model: Any, directory: Path) -> None:
+    """Issue 37 item 2: an adapter whose lora_A tensors are twice as wide as its header's rank allows fails to load,
+    and so does every retry (a failed add used to stay listed in vLLM, and the retry of the same id was acked as
+    loaded); an adapter with a NaN is refused. The actor goes on serving version 3."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    from lockstep_workers.lora import adapter_metadata
+    from lockstep_workers.weights import publish
+
+    tensors = get_peft_model_state_dict(model)
+    config = model.peft_config["default"]
+    wide = {name: torch.cat([t, t], dim=1) if "lora_A" in name else t for name, t in tensors.items()}
+    poisoned = {name: t.clone() for name, t in tensors.items()}
+    next(iter(poisoned.values()))[0, 0] = float("nan")
+    for version, broken, why in ((4, wide, "did not load the adapter of weights version 4"), (5, poisoned, "NaN")):
+        weights = publish(broken, directory, version=version, metadata=adapter_metadata(config))
+        for _attempt in range(2):
+            with origin.read(weights) as verified, pytest.raises((RuntimeError, ValueError), match=why):
+                await actor.load(weights, verified)
+        assert adapter_id(version) not in await actor.llm.list_loras(), "a failed load leaves nothing registered"
+    await actor.resume()
+    assert actor.serving == 3 and actor.loaded == 3
 
 
 def expected_logprobs(published: dict[int, tuple[Any, Any]], version: int, output: dict[str, Any]) -> Any:
