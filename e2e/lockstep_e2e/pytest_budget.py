@@ -29,12 +29,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_started] = time.monotonic()
 
 
-def test_seconds(reports: list[pytest.TestReport]) -> dict[str, float]:
-    """Each test's time: its setup, call and teardown together (fixtures included, as --durations shows them)."""
+def slowest_tests(reports: list[pytest.TestReport], count: int = SLOWEST) -> list[tuple[str, float]]:
+    """The ``count`` slowest tests, slowest first, each with its time: its setup, call and teardown together
+    (fixtures included, as --durations shows them)."""
     seconds: dict[str, float] = defaultdict(float)
     for report in reports:
         seconds[report.nodeid] += report.duration
-    return seconds
+    return sorted(seconds.items(), key=lambda item: item[1], reverse=True)[:count]
 
 
 @pytest.hookimpl(trylast=True)
@@ -51,7 +52,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         for report in outcome
         if isinstance(report, pytest.TestReport)
     ]
-    slowest = sorted(test_seconds(reports).items(), key=lambda item: item[1], reverse=True)[:SLOWEST]
+    slowest = slowest_tests(reports)
     terminalreporter.write_sep("=", "test time budget exceeded", yellow=True, bold=True)
     terminalreporter.write_line(
         f"WARNING: the tests took {total / 60:.1f} min, over the suite's budget of {budget_seconds() / 60:.0f} min "
