@@ -70,8 +70,8 @@ def test_a_run_over_its_budget_warns_with_the_slowest_tests_then_names_the_failu
     assert run.returncode == 1, "the failing test fails the run, the budget does not"
     lines = run.stdout.splitlines()
     warning = next(i for i, line in enumerate(lines) if line.startswith("WARNING: the tests took"))
-    slowest = [line.split()[-1] for line in lines[warning + 1 : warning + 4]]
-    assert set(slowest) == {"test_sample.py::test_slow", "test_sample.py::test_quick", "test_sample.py::test_fails"}
+    named = [line.split()[-1] for line in lines[warning + 1 : warning + 5]]
+    assert set(named) == {f"test_sample.py::test_{name}" for name in ("slow", "quick", "fails", "skipped")}, named
     summary = next(i for i, line in enumerate(lines) if "short test summary info" in line)
     assert summary > warning and any(line.startswith("FAILED test_sample.py::test_fails") for line in lines[summary:])
 
