@@ -128,6 +128,10 @@ def test_a_job_runs_with_pods_services_config_and_status(
             {"trainer": {"image": "t", "reward": "m:f", "replicas": 4, "rollout": {"promptsPerStep": 2}}},
             "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas times",
         ),
+        (
+            {"trainer": {"image": "t", "reward": "m:f", "rollout": {"promptsPerStep": 2, "onPolicyGroups": 3}}},
+            "spec.trainer.rollout.onPolicyGroups must be at most spec.trainer.rollout.promptsPerStep",
+        ),
     ],
 )
 def test_invalid_jobs_are_refused_naming_the_field(

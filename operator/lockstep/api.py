@@ -581,6 +581,14 @@ class RolloutSettings(Model):
         "bounds how far generation runs ahead (0: none, synchronous RL). Unset: 2 x promptsPerStep, this step's "
         "and the next's, so that the actors are not idle while the trainer waits for a step's last groups.",
     )
+    on_policy_groups: Annotated[int, Field(ge=0, le=65536)] = Field(
+        1,
+        description="How many of each step's prompt groups (its last ones) are sampled under exactly the weights "
+        "the step learns with, whatever spec.trainer.maxLag is: their tokens measure the train-inference mismatch "
+        "every step (onpolicy_mean_abs_logprob_diff, held to the ParityPolicy's meanAbsLogprobDiff). The step waits "
+        "for its weight update and these groups' sampling. 0: the pipeline never waits, and a step with no token "
+        "sampled under the trainer's weights reports its mismatch as none, unmeasured.",
+    )
     samples_per_prompt: Annotated[int, Field(ge=2, le=1024)] = Field(
         8, description="Completions per prompt: a group, whose mean reward is the baseline (GRPO/GSPO)."
     )
@@ -763,6 +771,12 @@ EVAL_SPLIT_RULE = cel(
     "everySteps to 0",
     field_path=".eval.everySteps",
 )
+ON_POLICY_GROUPS_RULE = cel(
+    "self.rollout.onPolicyGroups <= self.rollout.promptsPerStep",
+    "spec.trainer.rollout.onPolicyGroups must be at most spec.trainer.rollout.promptsPerStep: they are groups of "
+    "each step's; lower it, or raise promptsPerStep",
+    field_path=".rollout.onPolicyGroups",
+)
 TRAINER_SHARDS_RULE = cel(
     "self.rollout.promptsPerStep >= self.replicas * self.objective.minibatches",
     "spec.trainer.rollout.promptsPerStep must be at least spec.trainer.replicas times "
@@ -783,7 +797,9 @@ old and the new object have it, so adding or removing the adapter would pass."""
 
 
 class TrainerSpec(PodOverrides, Training):
-    model_config = ConfigDict(json_schema_extra=validations(TRAINER_SHARDS_RULE, EVAL_SPLIT_RULE, LORA_IMMUTABLE_RULE))
+    model_config = ConfigDict(
+        json_schema_extra=validations(TRAINER_SHARDS_RULE, ON_POLICY_GROUPS_RULE, EVAL_SPLIT_RULE, LORA_IMMUTABLE_RULE)
+    )
 
     replicas: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="torch.distributed world size.")
     image: Annotated[str, Field(min_length=1)] = Field(

@@ -7,6 +7,9 @@ be sampled under versions step - 1 - maxLag or newer. The pure core (``Schedule`
 - which position to sample next: a dropped one first, else the next in order (the dataset's order);
 - whether sampling it now can still yield a group within maxLag: only once the actors serve version
   step - 1 - maxLag; before that, every group it could finish would be dropped, so nothing is sent;
+- a step's last spec.trainer.rollout.onPolicyGroups positions are held to a lag of 0: they are sent once the actors
+  serve the step's own version (step - 1) and sampled wholly under it, since the next version is published only
+  after the step learns; their tokens measure the train-inference mismatch every step, whatever maxLag is;
 - at most spec.trainer.rollout.groupsInFlight groups are in flight on the actors at once;
 - a finished group with a token more than maxLag versions behind its step's version is dropped, counted and its
   prompt sampled again (at most ``STALE_RESAMPLINGS`` times); the others wait, scored, until their step takes them.
@@ -50,6 +53,8 @@ class Schedule:
     groups_in_flight: int
     start: int
     end: int
+    on_policy_groups: int = 0
+    """How many of each step's positions, its last, are held to a lag of 0."""
     next_position: int = -1
     dropped: list[int] = field(default_factory=list)
     """Positions dropped as stale, to be sampled again before any new one."""
@@ -77,9 +82,15 @@ class Schedule:
             return min(self.dropped)
         return self.next_position if self.next_position < self.end else None
 
+    def lag_bound(self, position: int) -> int:
+        """How many versions behind its step's version a token of ``position`` may be: maxLag, or 0 for the
+        step's on-policy positions."""
+        on_policy = position % self.prompts_per_step >= self.prompts_per_step - self.on_policy_groups
+        return 0 if on_policy else self.max_lag
+
     def within_lag(self, position: int, served: int) -> bool:
-        """Whether a group of ``position`` sampled from actors serving ``served`` can be learned within maxLag."""
-        return self.version_of(position) - served <= self.max_lag
+        """Whether a group of ``position`` sampled from actors serving ``served`` can be learned within its bound."""
+        return self.version_of(position) - served <= self.lag_bound(position)
 
     def next_submission(self, served: int) -> int | None:
         """The position to send now, the actors serving ``served``; None: nothing to send now."""
@@ -96,7 +107,7 @@ class Schedule:
 
     def is_stale(self, position: int, lag: int) -> bool:
         """Whether a group whose oldest token is ``lag`` versions behind its step's version must be dropped."""
-        return lag > self.max_lag
+        return lag > self.lag_bound(position)
 
     def drop(self, position: int) -> None:
         """The group of ``position`` came back stale: sample its prompt again (RolloutError after too many)."""
@@ -104,7 +115,7 @@ class Schedule:
         self.resamplings[position] = self.resamplings.get(position, 0) + 1
         if self.resamplings[position] > STALE_RESAMPLINGS:
             raise RolloutError(
-                f"the group of position {position} was still more than spec.trainer.maxLag {self.max_lag} versions "
+                f"the group of position {position} was still more than {self.lag_bound(position)} versions "
                 f"behind weights version {self.version_of(position)} after {STALE_RESAMPLINGS} resamplings: the "
                 "actors report a version within the bound but sample under an older one"
             )

@@ -429,7 +429,12 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         assert prompts is not None and scorer is not None
         count = rollout.prompts_per_step
         schedule = Schedule(
-            count, settings.max_lag, rollout.in_flight, (resumed.first_step - 1) * count, settings.steps * count
+            count,
+            settings.max_lag,
+            rollout.in_flight,
+            (resumed.first_step - 1) * count,
+            settings.steps * count,
+            on_policy_groups=rollout.on_policy_groups,
         )
         score = functools.partial(score_group, prompts, scorer)
         producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)

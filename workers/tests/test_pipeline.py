@@ -1,5 +1,6 @@
 """The rollout producer (lockstep_workers.pipeline): its schedule, simulated over random sample and learn latencies
-and stops, keeps every learned token within maxLag, learns each group once and each row of an epoch once; the
+and stops, keeps every learned token within maxLag, samples each step's on-policy groups under the step's own
+version, learns each group once and each row of an epoch once; the
 producer drops a stale group and samples its prompt again, interleaves evaluation with training, and hands what
 stopped it to the step that waits."""
 
@@ -30,6 +31,7 @@ def simulate(
     sample_seconds: Sequence[float],
     learn_seconds: Sequence[float],
     lagging: set[int],
+    on_policy_groups: int = 0,
 ) -> list[tuple[int, int, int]]:
     """The schedule driven by a discrete-event model of the actors and the learner from ``first_step`` (the actors
     serving version first_step - 1) through ``last_step``: each group takes the next of ``sample_seconds``, each
@@ -38,7 +40,12 @@ def simulate(
     reports a version but samples under an older one). Returns (position, learning step, oldest version) of every
     learned group, in the order learned."""
     schedule = Schedule(
-        prompts_per_step, max_lag, in_flight, (first_step - 1) * prompts_per_step, last_step * prompts_per_step
+        prompts_per_step,
+        max_lag,
+        in_flight,
+        (first_step - 1) * prompts_per_step,
+        last_step * prompts_per_step,
+        on_policy_groups=on_policy_groups,
     )
     served, now, tries = first_step - 1, 0.0, 0
     events: list[tuple[float, int, str, int, int]] = []  # (time, order, kind, position or step, oldest version)
@@ -88,6 +95,7 @@ latencies = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=20)
     learn_seconds=latencies,
     lagging=st.sets(st.integers(0, 40), max_size=10),
     rows=st.integers(1, 30),
+    on_policy_groups=st.integers(0, 5),
 )
 def test_every_learned_token_is_within_max_lag_and_each_group_and_row_is_learned_once(
     prompts_per_step: int,
@@ -99,16 +107,27 @@ def test_every_learned_token_is_within_max_lag_and_each_group_and_row_is_learned
     learn_seconds: list[float],
     lagging: set[int],
     rows: int,
+    on_policy_groups: int,
 ) -> None:
     """A trainer stopped after step ``stopped_after`` (its sampled but unlearned groups lost) resumes from the next
-    step: over both runs, no learned group is more than maxLag versions behind the weights it is learned with, every
-    position is learned once, by its own step, and so every row of an epoch once."""
+    step: over both runs, no learned group is more than maxLag versions behind the weights it is learned with, each
+    step's last ``on_policy_groups`` groups were sampled under the step's own version, every position is learned
+    once, by its own step, and so every row of an epoch once."""
     stopped_after = min(stopped_after, steps)
+    on_policy_groups = min(on_policy_groups, prompts_per_step)
     run = (prompts_per_step, max_lag, in_flight)
-    learned = simulate(*run, 1, stopped_after, sample_seconds, learn_seconds, lagging) if stopped_after else []
+    timings = (sample_seconds, learn_seconds, lagging, on_policy_groups)
+    learned = simulate(*run, 1, stopped_after, *timings) if stopped_after else []
     if stopped_after < steps:
-        learned += simulate(*run, stopped_after + 1, steps, sample_seconds, learn_seconds, lagging)
+        learned += simulate(*run, stopped_after + 1, steps, *timings)
     assert all((step - 1) - oldest <= max_lag for _, step, oldest in learned), "a token beyond maxLag was learned"
+    on_policy = [
+        (step, oldest)
+        for position, step, oldest in learned
+        if position % prompts_per_step >= prompts_per_step - on_policy_groups
+    ]
+    assert len(on_policy) == steps * on_policy_groups
+    assert all(oldest == step - 1 for step, oldest in on_policy), "an on-policy group sampled under older weights"
     positions = [position for position, _, _ in learned]
     assert sorted(positions) == list(range(steps * prompts_per_step)), "a group learned twice, or never"
     assert all(position // prompts_per_step + 1 == step for position, step, _ in learned)
