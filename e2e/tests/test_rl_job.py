@@ -35,6 +35,9 @@ from lockstep_workers.weights import publish, weights_directory
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep"), pytest.mark.timeout(600)]
 
 STEPS = 16
+FP32_MISMATCH = 1e-4
+"""The most mean |Δlogprob| a tiny job shows on on-policy tokens: fp32 on both sides leaves kernel numerics only
+(about 1e-7 here), far under the default budget, which is sized for bf16 (docs/parity.md)."""
 
 
 def assert_no_actor_resumed_a_version_before_all_loaded_it(result: RunResult) -> None:
@@ -47,10 +50,11 @@ def assert_no_actor_resumed_a_version_before_all_loaded_it(result: RunResult) ->
 
 
 def worst_onpolicy_mismatch(result: RunResult) -> float:
-    """The largest per-step mean |Δlogprob| on tokens sampled under the trainer's own weights."""
-    measured = [r for r in result.steps if r["onpolicy_token_fraction"] > 0]
-    assert measured, "some steps sampled tokens under the trainer's own weights"
-    return max(r["onpolicy_mean_abs_logprob_diff"] for r in measured)
+    """The largest per-step mean |Δlogprob| on tokens sampled under the trainer's own weights, which every step
+    measured (spec.trainer.rollout.onPolicyGroups, 1 by default, whatever maxLag is)."""
+    unmeasured = [r["step"] for r in result.steps if r.get("onpolicy_mean_abs_logprob_diff") is None]
+    assert not unmeasured, f"steps {unmeasured} measured no token sampled under the trainer's own weights"
+    return max(r["onpolicy_mean_abs_logprob_diff"] for r in result.steps)
 
 
 def test_an_rl_job_learns_with_in_flight_weight_updates(
@@ -61,7 +65,8 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
     )
     status = result.job["status"]
     assert status["phase"] == "Succeeded", status
-    assert status["preflight"]["meanAbsLogprobDiff"] < MismatchBudget().mean_abs_logprob_diff
+    assert status["preflight"]["meanAbsLogprobDiff"] < FP32_MISMATCH
+    assert status["preflight"]["sharedPrefixMeanAbsLogprobDiff"] < FP32_MISMATCH
     assert any(e.reason == "PreflightPassed" for e in events_for(kube, namespace, "tiny"))
     assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"
     assert status["mismatch"]["step"] >= 1, "the trainer's live measurement reached the status"
@@ -88,13 +93,9 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
     in_flight = [{u["version"] for u in us if u["pausedAt"] is not None} for us in result.updates.values()]
     assert [t.version for t in barriers] == sorted(set.intersection(*in_flight)), "the audit log times every barrier"
 
-    budget = MismatchBudget().mean_abs_logprob_diff
     worst = worst_onpolicy_mismatch(result)
-    print(
-        f"on-policy mismatch: worst step {worst:.2e} (budget {budget}); "
-        f"max staleness {max(r['staleness'] for r in result.steps)}"
-    )
-    assert worst <= budget
+    print(f"on-policy mismatch: worst step {worst:.2e}; max staleness {max(r['staleness'] for r in result.steps)}")
+    assert worst <= FP32_MISMATCH
     assert max(r["staleness"] for r in result.steps) <= 1, "spec.trainer.maxLag 1 bounds how stale a token can be"
 
     exported = exported_metrics(scrape(f"http://127.0.0.1:{operator_metrics_port}"))
@@ -154,7 +155,7 @@ def test_the_trainer_sends_the_weights_over_gloo_without_a_shared_volume(
     worst = worst_onpolicy_mismatch(result)
     rewards = [r["reward"] for r in result.steps]
     print(f"gloo: worst on-policy mismatch {worst:.2e}; reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
-    assert worst <= MismatchBudget().mean_abs_logprob_diff, "the actors sample with exactly the weights sent"
+    assert worst <= FP32_MISMATCH, "the actors sample with exactly the weights sent"
 
 
 def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retried(
@@ -202,7 +203,7 @@ def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retrie
     retried = [b for b in status["barrierHistory"] if b["outcome"] == "Failed"]
     print(f"killed at v{killed['at']}; resumed from v{resumed}; {len(retried)} transfer(s) retried")
     assert len(resumed) == 1 and int(resumed[0]) >= killed["at"], resumed
-    assert worst_onpolicy_mismatch(result) <= MismatchBudget().mean_abs_logprob_diff
+    assert worst_onpolicy_mismatch(result) <= FP32_MISMATCH
 
 
 RUNNING_REQUESTS = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.MULTILINE)
@@ -286,7 +287,7 @@ def test_a_preflight_over_budget_stops_the_job_before_training(
     assert result.job["status"]["phase"] == "Failed"
     parity = condition(result.job, "ParityLocked")
     assert parity["status"] == "False" and parity["reason"] == "MismatchBudgetExceeded"
-    assert "the preflight parity check is over budget: mean |Δlogprob|" in parity["message"]
+    assert "the preflight parity check is over budget: plain sampling's mean |Δlogprob|" in parity["message"]
     assert "budget 1e-12" in parity["message"]
     preflight = result.job["status"]["preflight"]
     assert preflight["satisfiedByConstruction"] == ["disableCascadeAttn"], "vLLM 0.32 no longer has cascade attention"

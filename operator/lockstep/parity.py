@@ -25,6 +25,7 @@ from lockstep.api import (
     VllmSettings,
     WeightUpdateSemantics,
 )
+from lockstep.protocol import PreflightResult
 
 DEFAULT_POLICY_NAME = "default"
 
@@ -47,6 +48,30 @@ def default_policy() -> ParityPolicy:
             weight_update=WeightUpdateSemantics(),
         ),
     )
+
+
+AFTER_UPDATE_GROWTH = 10.0
+"""How many times the plain sampling's mismatch the preflight tolerates after an in-flight update (with at least the
+budget itself): a sound engine computes after an update as it did before (measured on SmolLM2-135M-Instruct: 3.5x
+in bf16, 2.4x in fp32, 1.6x with a LoRA adapter), a stale head or a reused KV cache multiplies it by 50 or more
+(docs/parity.md#budgets-that-hold-on-real-models). Relative, so that it holds in every dtype."""
+
+
+def preflight_breach(result: PreflightResult, budget: float) -> str | None:
+    """What of the preflight's ``result`` is over the mismatch ``budget`` (meanAbsLogprobDiff), in words; None when
+    nothing: plain sampling within the budget, and after an in-flight update within the larger of the budget and
+    AFTER_UPDATE_GROWTH times plain sampling's."""
+    plain, after = result.mean_abs_logprob_diff, result.shared_prefix_mean_abs_logprob_diff
+    if plain > budget:
+        return f"plain sampling's mean |Δlogprob| {plain:.3g} is over the budget {budget:.3g}"
+    bound = max(budget, AFTER_UPDATE_GROWTH * plain)
+    if after > bound:
+        return (
+            f"after an in-flight update the mean |Δlogprob| is {after:.3g}, over {bound:.3g} (the larger of the budget "
+            f"and {AFTER_UPDATE_GROWTH:g}x plain sampling's {plain:.3g}): the engine computes with something other "
+            "than the new weights after an update (a stale head, a reused KV cache)"
+        )
+    return None
 
 
 class PolicyError(ValueError):

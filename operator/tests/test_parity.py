@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from factories import job, policy
-from lockstep.api import Enforcement, ParityPolicy, RLJobSpec
-from lockstep.parity import PolicyError, effective_config, select_policy
+from lockstep.api import Enforcement, MismatchBudget, ParityPolicy, RLJobSpec
+from lockstep.parity import PolicyError, effective_config, preflight_breach, select_policy
+from lockstep.protocol import PreflightResult
 
 
 def spec(**vllm: object) -> RLJobSpec:
@@ -172,3 +173,46 @@ def test_differences_name_the_vllm_keys_then_the_lora_requirement() -> None:
         "spec.actors.vllm.seed=1 (locked to 2)",
         "spec.trainer.lora is not set (the policy's spec.lora is Required: LoRA jobs only)",
     ]
+
+
+MEASURED_ON_SMOLLM2 = [
+    # (configuration, plain sampling's mean |Δlogprob|, after an in-flight update's, sound?): docs/parity.md
+    ("locked (default), bf16", 0.0402, 0.139, True),
+    ("locked (default), fp32 model", 8.3e-6, 2.0e-5, True),
+    ("locked (default) + LoRA r16, bf16", 0.0423, 0.0689, True),
+    ("raw logprobs at temperature 0.7, bf16", 0.465, 0.465, False),
+    ("locked + prefix caching with keep, bf16", 0.0402, 3.94, False),
+    ("the stale tied head (before its fix), fp32 model", 8.3e-6, 2.04, False),
+    ("the stale tied head (before its fix), bf16 without the fp32 head", 0.034, 2.0, False),
+]
+
+
+@pytest.mark.parametrize(("configuration", "plain", "after", "sound"), MEASURED_ON_SMOLLM2)
+def test_the_default_budget_passes_sound_configurations_of_a_real_model_and_fails_broken_ones(
+    configuration: str, plain: float, after: float, sound: bool
+) -> None:
+    result = PreflightResult(
+        mean_abs_logprob_diff=plain,
+        shared_prefix_mean_abs_logprob_diff=after,
+        clip_fraction=0.0,
+        outside_top_p_per_thousand=0.0,
+        tokens=1024,
+    )
+    breach = preflight_breach(result, MismatchBudget().mean_abs_logprob_diff)
+    assert (breach is None) == sound, f"{configuration}: {breach}"
+
+
+def test_a_breach_after_an_update_names_the_bound_and_the_likely_cause() -> None:
+    result = PreflightResult(
+        mean_abs_logprob_diff=0.04,
+        shared_prefix_mean_abs_logprob_diff=0.5,
+        clip_fraction=0.0,
+        outside_top_p_per_thousand=0.0,
+        tokens=1024,
+    )
+    assert preflight_breach(result, 0.1) == (
+        "after an in-flight update the mean |Δlogprob| is 0.5, over 0.4 (the larger of the budget and 10x plain "
+        "sampling's 0.04): the engine computes with something other than the new weights after an update (a stale "
+        "head, a reused KV cache)"
+    )
+    assert preflight_breach(result.model_copy(update={"shared_prefix_mean_abs_logprob_diff": 0.09}), 0.1) is None

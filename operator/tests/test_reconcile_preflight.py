@@ -44,7 +44,7 @@ def test_preflight_runs_before_training_and_its_result_decides() -> None:
     assert over.status.phase is Phase.FAILED and not over.create_pods
     assert condition(over, "ParityLocked") == ("False", "MismatchBudgetExceeded")
     message = find(over.status.conditions, "ParityLocked").message  # type: ignore[union-attr]
-    assert "mean |Δlogprob| 0.5" in message and "budget 0.02" in message
+    assert "plain sampling's mean |Δlogprob| 0.5 is over the budget 0.1" in message and "budget 0.1" in message
 
     crashed = finished(0.0, phase="Failed")
     assert crashed.status.phase is Phase.FAILED and condition(crashed, READY) == ("False", "PreflightFailed")

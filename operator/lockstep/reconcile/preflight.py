@@ -6,7 +6,7 @@ from __future__ import annotations
 from lockstep import keys, protocol
 from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import PARITY_LOCKED, READY
-from lockstep.parity import EffectiveConfig
+from lockstep.parity import EffectiveConfig, preflight_breach
 from lockstep.protocol import PreflightResult
 from lockstep.reconcile import completion
 from lockstep.reconcile.children import Children
@@ -46,14 +46,13 @@ def run_check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, children: Chi
         return Next.DONE
     run.status.preflight = result
     limit = config.mismatch_budget.mean_abs_logprob_diff
-    worst = max(result.mean_abs_logprob_diff, result.shared_prefix_mean_abs_logprob_diff)
     numbers = (
         f"mean |Δlogprob| {result.mean_abs_logprob_diff:.3g}, after an in-flight update with shared prompts "
         f"{result.shared_prefix_mean_abs_logprob_diff:.3g}, clip fraction {result.clip_fraction:.3g} over "
         f"{result.tokens} tokens; budget {limit:.3g} (ParityPolicy {config.policy!r})"
     )
-    if worst > limit:
-        message = f"the preflight parity check is over budget: {numbers}"
+    if breach := preflight_breach(result, limit):
+        message = f"the preflight parity check is over budget: {breach}; {numbers}"
         completion.finish_job(run, spec, Phase.FAILED, Reason.MISMATCH_BUDGET_EXCEEDED, message)
         run.condition(PARITY_LOCKED, False, Reason.MISMATCH_BUDGET_EXCEEDED, message)
         return Next.DONE
