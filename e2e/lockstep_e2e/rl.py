@@ -63,12 +63,13 @@ def tiny_rl_job(
     actors: int,
     trainers: int,
     trainer: dict[str, Any] | None = None,
+    dtype: str = "float32",
     **spec: Any,
 ) -> dict[str, Any]:
-    """An RLJob that teaches the tiny random Llama at ``model`` the target words task, on the CPU, or with
-    ``trainer`` (spec.trainer fields, e.g. TEXT_TASK) another: a field that is a mapping, such as rollout or
-    objective, is merged into the default's, any other replaces it; ``spec`` adds or replaces top-level spec fields
-    (by default weights go through files on ``shared``)."""
+    """An RLJob that teaches the tiny random Llama at ``model`` the target words task, on the CPU, in ``dtype`` on
+    both sides, or with ``trainer`` (spec.trainer fields, e.g. TEXT_TASK) another: a field that is a mapping, such as
+    rollout or objective, is merged into the default's, any other replaces it; ``spec`` adds or replaces top-level
+    spec fields (by default weights go through files on ``shared``)."""
     spec.setdefault("weightSync", {"volume": {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}})
     defaults = {
         "steps": steps,
@@ -86,8 +87,8 @@ def tiny_rl_job(
         name,
         actors=actors,
         trainers=trainers,
-        vllm={"dtype": "float32", "enforceEager": True, "maxModelLen": 256, "gpuMemoryUtilization": 0.2},
-        model={"uri": str(model), "dtype": "float32"},
+        vllm={"dtype": dtype, "enforceEager": True, "maxModelLen": 256, "gpuMemoryUtilization": 0.2},
+        model={"uri": str(model), "dtype": dtype},
         trainer=merged(defaults, trainer or {}),
         actor_env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
         **spec,
@@ -123,19 +124,25 @@ def run_tiny_rl_job(
     before_start: Callable[[dict[str, Any]], None] | None = None,
     text: bool = False,
     trainer: dict[str, Any] | None = None,
+    model: Path | None = None,
+    dtype: str = "float32",
     **spec: Any,
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec fields;
-    ``text``: the text task; ``trainer``: spec.trainer fields over the task's, merged as tiny_rl_job merges them),
+    ``text``: the text task; ``trainer``: spec.trainer fields over the task's, merged as tiny_rl_job merges them;
+    ``model``: a model directory to train instead of a tiny random one made for the task, in ``dtype``),
     run its pods until it finishes, and collect what it recorded. ``timeout`` is below test_rl_job's 600 s, so that a
     stalled run fails with the ending of every pod's log; ``before_start`` sees the job once its pods exist, before
     their containers start; ``watch`` sees the job and its pods every second. With ``preflight: {enabled: true}``
     the preflight pod runs first; a job it stops has no other pods."""
     started = time.monotonic()
-    model = text_task.create_model(workdir / "model") if text else create_tiny_llama(workdir / "model")
+    if model is None:
+        model = text_task.create_model(workdir / "model") if text else create_tiny_llama(workdir / "model")
     shared = workdir / "shared"
     trainer = merged(TEXT_TASK if text else {}, trainer or {})
-    manifest = tiny_rl_job(name, model, shared, steps=steps, actors=actors, trainers=trainers, trainer=trainer, **spec)
+    manifest = tiny_rl_job(
+        name, model, shared, steps=steps, actors=actors, trainers=trainers, trainer=trainer, dtype=dtype, **spec
+    )
     (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     job = create_job(kube, namespace, manifest)
     logs = workdir / "pods"

@@ -1,8 +1,11 @@
-"""The demo's text task: which of two digits is larger ("which is larger : 7 or 3 ?" -> 7), as a dataset
-(spec.trainer.dataset) with a train and an eval split, and a tiny random model whose word-level tokenizer knows the
-task's words and has a chat template. The reward is the built-in lockstep_workers.rewards:math_exact_match.
+"""The demos' text tasks, as datasets (spec.trainer.dataset) with a train and an eval split, scored by the built-in
+lockstep_workers.rewards:math_exact_match:
+- ``larger``: which of two digits is larger ("which is larger : 7 or 3 ?" -> 7), for a tiny random model whose
+  word-level tokenizer knows the task's words and has a chat template (``create_model``);
+- ``addition``: two-digit addition ("What is 37 plus 45?" -> 82), for a real pretrained model and its own chat
+  template (lockstep_e2e.real_model).
 
-``python -m lockstep_workers.text_task DIR`` writes the splits (examples/datasets/larger/ holds them).
+``python -m lockstep_workers.text_task TASK DIR`` writes a task's splits (examples/datasets/TASK/ holds them).
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ VOCABULARY_SIZE = 48
 """The tiny model's vocabulary: the task's words and unused ones. Small, so that a random model says a digit now
 and then and the reward has something to reinforce."""
 EVAL_ROWS = 20
-"""Pairs held out of training, to evaluate on."""
+"""Pairs held out of training, to evaluate on (the larger task)."""
+ADDITION_ROWS = (400, 40)
+"""The addition task's train and eval rows."""
 SPLITS = ("train.jsonl", "eval.jsonl")
+Rows = list[dict[str, Any]]
 
 
-def rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def larger() -> tuple[Rows, Rows]:
     """The train and eval rows: every pair of different digits once, shuffled, the eval rows held out."""
     pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
     random.Random(0).shuffle(pairs)
@@ -34,11 +40,22 @@ def rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return every[EVAL_ROWS:], every[:EVAL_ROWS]
 
 
-def write(directory: Path) -> list[Path]:
-    """Write the splits as jsonl files in ``directory``; return their paths (train, eval)."""
+def addition() -> tuple[Rows, Rows]:
+    """The train and eval rows: distinct pairs of two-digit numbers, drawn with a fixed seed, none in both splits."""
+    train, held_out = ADDITION_ROWS
+    pairs = random.Random(0).sample([(a, b) for a in range(10, 100) for b in range(10, 100)], train + held_out)
+    every = [{"prompt": f"What is {a} plus {b}?", "answer": a + b} for a, b in pairs]
+    return every[held_out:], every[:held_out]
+
+
+TASKS = {"larger": larger, "addition": addition}
+
+
+def write(task: str, directory: Path) -> list[Path]:
+    """Write ``task``'s splits as jsonl files in ``directory``; return their paths (train, eval)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / name for name in SPLITS]
-    for path, split in zip(paths, rows(), strict=True):
+    for path, split in zip(paths, TASKS[task](), strict=True):
         path.write_text("".join(json.dumps(row) + "\n" for row in split))
     return paths
 
@@ -50,8 +67,10 @@ def create_model(directory: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("directory", type=Path)
-    for path in write(parser.parse_args().directory):
+    options = parser.parse_args()
+    for path in write(options.task, options.directory):
         print(path)
 
 

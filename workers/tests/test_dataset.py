@@ -136,10 +136,20 @@ def test_lockstep_validate_refuses_a_dataset_the_trainer_would_refuse(tmp_path: 
     assert "/data/train.jsonl is not on this machine; the trainer checks it when it starts" in elsewhere.stdout
 
 
-def test_the_repositorys_text_task_is_what_its_generator_writes(tmp_path: Path, tokenizer: Any) -> None:
-    shipped = REPOSITORY / "examples" / "datasets" / "larger"
-    for written in text_task.write(tmp_path):
+@pytest.mark.parametrize("task", sorted(text_task.TASKS))
+def test_the_repositorys_text_tasks_are_what_their_generator_writes(task: str, tmp_path: Path) -> None:
+    shipped = REPOSITORY / "examples" / "datasets" / task
+    for written in text_task.write(task, tmp_path):
         assert written.read_text() == (shipped / written.name).read_text(), f"regenerate {shipped}"
+    train, held_out = (
+        [json.loads(line)["prompt"] for line in (shipped / split).read_text().splitlines()]
+        for split in text_task.SPLITS
+    )
+    assert len(set(train)) == len(train) and not set(train) & set(held_out), "no prompt twice, none in both splits"
+
+
+def test_the_larger_task_is_said_in_its_tiny_models_words(tokenizer: Any) -> None:
+    shipped = REPOSITORY / "examples" / "datasets" / "larger"
     spec = Dataset(train=str(shipped / "train.jsonl"), eval=str(shipped / "eval.jsonl"), reward_fields=["answer"])
     dataset = PromptDataset(spec, tokenizer)
     assert not {row["prompt"] for row in dataset.train} & {row["prompt"] for row in dataset.eval}
