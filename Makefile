@@ -11,10 +11,14 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test unit venv binaries real-model kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo demo-tiny test unit venv binaries real-model kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
 
-demo: venv binaries
+# The real pretrained model learns two-digit addition; demo-tiny: a random 2-layer Llama, with a preflight (docs/demo.md).
+demo: venv binaries real-model
 	$(PY) -m lockstep_e2e.demo
+
+demo-tiny: venv binaries
+	$(PY) -m lockstep_e2e.demo --tiny
 
 test: venv binaries lint scan typecheck pytest
 

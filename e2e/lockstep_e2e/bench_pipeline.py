@@ -173,7 +173,7 @@ def run_demo(lags: list[int], steps: int, workdir: Path) -> list[DemoResult]:
     """The demo's RLJob for ``steps`` steps at each of ``lags``, one after another on one local control plane."""
     from kubernetes import client
 
-    from lockstep_e2e.demo import TUNED, demo_cluster, step
+    from lockstep_e2e.demo import TINY, demo_cluster, step
 
     results = []
     with demo_cluster(workdir) as (cluster, api):
@@ -190,7 +190,7 @@ def run_demo(lags: list[int], steps: int, workdir: Path) -> list[DemoResult]:
                 timeout=900.0 + 10.0 * steps,
                 progress=step,
                 text=True,
-                trainer=merged(TUNED, {"maxLag": lag}),
+                trainer=merged(TINY.trainer, {"maxLag": lag}),
             )
             if run.job["status"]["phase"] != "Succeeded":
                 raise SystemExit(f"the maxLag {lag} run did not succeed; pod logs in {workdir / namespace / 'pods'}")

@@ -2,8 +2,8 @@
 lockstep_workers.rewards:math_exact_match:
 - ``larger``: which of two digits is larger ("which is larger : 7 or 3 ?" -> 7), for a tiny random model whose
   word-level tokenizer knows the task's words and has a chat template (``create_model``);
-- ``addition``: two-digit addition ("What is 37 plus 45?" -> 82), for a real pretrained model and its own chat
-  template (lockstep_e2e.real_model).
+- ``addition``: two-digit addition ("What is 37 plus 45? Answer with just the number." -> 82), for a real
+  pretrained model and its own chat template (lockstep_e2e.real_model).
 
 ``python -m lockstep_workers.text_task TASK DIR`` writes a task's splits (examples/datasets/TASK/ holds them).
 """
@@ -44,7 +44,7 @@ def addition() -> tuple[Rows, Rows]:
     """The train and eval rows: distinct pairs of two-digit numbers, drawn with a fixed seed, none in both splits."""
     train, held_out = ADDITION_ROWS
     pairs = random.Random(0).sample([(a, b) for a in range(10, 100) for b in range(10, 100)], train + held_out)
-    every = [{"prompt": f"What is {a} plus {b}?", "answer": a + b} for a, b in pairs]
+    every = [{"prompt": f"What is {a} plus {b}? Answer with just the number.", "answer": a + b} for a, b in pairs]
     return every[held_out:], every[:held_out]
 
 
