@@ -71,9 +71,9 @@ FAMILIES: tuple[Family, ...] = (
         "Gemma2ForCausalLM",
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        "final logit soft-capping 30, attention soft-capping 50, scaled embeddings, (1 + w) norms, sliding window "
-        "32 on every other layer, tied head",
-        {**_ATTENTION, "query_pre_attn_scalar": HEAD_DIM, "sliding_window": 32},
+        "final logit soft-capping (0.5: a tiny tied head's logits are under 1, far below Gemma 2's 30), attention "
+        "soft-capping 50, scaled embeddings, (1 + w) norms, sliding window 32 on every other layer, tied head",
+        {**_ATTENTION, "query_pre_attn_scalar": HEAD_DIM, "sliding_window": 32, "final_logit_softcapping": 0.5},
         tied=True,
     ),
     Family(
