@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.api import LoraSettings, WeightSyncBackend
 from lockstep.protocol import TransferGroup, Weights
+from lockstep_workers.architectures import REFUSED
 from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model, family
 
 if TYPE_CHECKING:
@@ -373,12 +374,12 @@ def run_family(chosen: Family, workdir: Path, *, with_lora: bool = True) -> Fami
 def _cell(value: Comparison | str) -> str:
     if isinstance(value, Comparison):
         return f"{value.mean_abs_diff:.1e} ({value.max_abs_diff:.1e})"
-    return value
+    return value if len(value) <= CELL else value[: CELL - 1] + "…"
 
 
 def _check_cell(value: dict[str, Any] | str) -> str:
     if isinstance(value, str):
-        return value
+        return _cell(value)
     return f"{value['modules']}/{value['parameters']}/{len(value['unchecked'])}"
 
 
@@ -398,10 +399,23 @@ HEADER = (
 their kernels / other parameters compared / published tensors left unchecked."""
 
 
+CELL = 160
+"""The most characters of a failed check's error in a table cell (the whole of it is in --out)."""
+
+
+def verdict(result: FamilyResult) -> str:
+    """Verified, or the failed checks and whether the actor refuses the architecture (architectures.REFUSED); a
+    disagreement between the two says what to change."""
+    failed = [failure.split(":", 1)[0] for failure in result.failures()]
+    refused = result.architecture in REFUSED
+    if not failed:
+        return f"verified{' but refused: take it out of architectures.REFUSED' if refused else ''}"
+    return f"{'refused' if refused else 'FAILED, not refused: add it to architectures.REFUSED'} ({', '.join(failed)})"
+
+
 def table_row(result: FamilyResult) -> list[str]:
     """``result`` as one row of the table (HEADER's columns)."""
     modules = result.lora_modules if isinstance(result.lora_modules, str) else ", ".join(result.lora_modules)
-    failures = result.failures()
     return [
         result.family,
         result.architecture,
@@ -409,10 +423,10 @@ def table_row(result: FamilyResult) -> list[str]:
         _cell(result.filesystem),
         _cell(result.gloo),
         f"{_check_cell(result.filesystem_load_check)}; {_check_cell(result.gloo_load_check)}",
-        modules,
+        _cell(modules),
         _cell(result.lora),
         NOT_RUN if result.seconds is None else f"{result.seconds:.0f}",
-        "verified" if not failures else "FAILED: " + "; ".join(failures),
+        verdict(result),
     ]
 
 

@@ -67,8 +67,21 @@ def test_a_mismatch_a_failed_check_and_a_check_not_run_are_each_a_failure() -> N
         "gloo_load_check: failed: LoadMismatch: lm_head",
     ]
     row = table_row(result)
-    assert row[-1].startswith("FAILED: pre_update")
+    assert row[-1] == (
+        "FAILED, not refused: add it to architectures.REFUSED "
+        "(pre_update, lora, filesystem_load_check, gloo_load_check)"
+    )
     assert row[HEADER.index("s")] == NOT_RUN
+
+
+def test_a_failing_architecture_the_actor_refuses_says_so_and_a_long_error_is_cut_in_the_table() -> None:
+    result = dataclasses.replace(verified(), architecture="MixtralForCausalLM", filesystem="failed: " + "x" * 500)
+    row = table_row(result)
+    assert row[-1] == "refused (filesystem)"
+    assert len(row[HEADER.index("after a filesystem update")]) == 160
+    assert table_row(dataclasses.replace(result, filesystem=result.pre_update))[-1] == (
+        "verified but refused: take it out of architectures.REFUSED"
+    )
 
 
 def test_the_json_record_reads_back_and_a_run_replaces_only_its_own_families(tmp_path: Path) -> None:
