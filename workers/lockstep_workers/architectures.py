@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 
 _MOE_UPDATE = (
-    "an in-flight update does not reach its experts: the trainer publishes them as transformers holds them "
-    "(mlp.experts.gate_up_proj, mlp.experts.down_proj: one tensor per layer), which this vLLM's reload does not map"
+    "an in-flight update does not reach its experts: the trainer publishes them as transformers holds them in "
+    "memory (mlp.experts.gate_up_proj and mlp.experts.down_proj, one tensor per layer), not as its checkpoints name "
+    "them (one tensor per expert), and this vLLM's reload maps only the checkpoints' names"
 )
 
 REFUSED: dict[str, str] = {
