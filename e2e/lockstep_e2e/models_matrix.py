@@ -372,8 +372,13 @@ def run_family(chosen: Family, workdir: Path, *, with_lora: bool = True) -> Fami
 
 
 def _cell(value: Comparison | str) -> str:
+    """A comparison's mean (max), or a failed check's error with vLLM's wrapper around a worker's error left out,
+    cut at CELL characters."""
     if isinstance(value, Comparison):
         return f"{value.mean_abs_diff:.1e} ({value.max_abs_diff:.1e})"
+    _, wrapped, inner = value.partition("Worker failed with error '")
+    if wrapped:
+        value = "failed in vLLM's worker: " + inner.split("', please check")[0]
     return value if len(value) <= CELL else value[: CELL - 1] + "…"
 
 
@@ -399,7 +404,7 @@ HEADER = (
 their kernels / other parameters compared / published tensors left unchecked."""
 
 
-CELL = 160
+CELL = 100
 """The most characters of a failed check's error in a table cell (the whole of it is in --out)."""
 
 

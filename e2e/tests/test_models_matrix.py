@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from lockstep_e2e.models_matrix import (
+    CELL,
     DOCS_BEGIN,
     DOCS_END,
     HEADER,
@@ -78,7 +79,10 @@ def test_a_failing_architecture_the_actor_refuses_says_so_and_a_long_error_is_cu
     result = dataclasses.replace(verified(), architecture="MixtralForCausalLM", filesystem="failed: " + "x" * 500)
     row = table_row(result)
     assert row[-1] == "refused (filesystem)"
-    assert len(row[HEADER.index("after a filesystem update")]) == 160
+    assert len(row[HEADER.index("after a filesystem update")]) == CELL
+    wrapped = "failed: Exception: Call to collective_rpc method failed: Worker failed with error 'no layers.0.mlp', "
+    row = table_row(dataclasses.replace(result, gloo=wrapped + "please check the stack trace above"))
+    assert row[HEADER.index("after a gloo update")] == "failed in vLLM's worker: no layers.0.mlp"
     assert table_row(dataclasses.replace(result, filesystem=result.pre_update))[-1] == (
         "verified but refused: take it out of architectures.REFUSED"
     )
