@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo demo-tiny test unit venv binaries real-model kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo demo-tiny test unit venv binaries real-model kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo models-matrix lock clean images images-cuda images-push images-check image-tools
 
 # The real pretrained model learns two-digit addition; demo-tiny: a random 2-layer Llama, with a preflight (docs/demo.md).
 demo: venv binaries real-model
@@ -97,6 +97,11 @@ bench-pipeline: venv
 
 bench-pipeline-demo: venv binaries
 	$(PY) -m lockstep_e2e.bench_pipeline --demo
+
+# The verified architecture matrix (docs/models.md): tiny random models of each family, served by vLLM on the CPU;
+# FAMILIES="qwen2 gemma2" runs some of them (the others keep their results in out/benchmarks/models.json).
+models-matrix: venv
+	$(PY) -m lockstep_e2e.models_matrix $(if $(FAMILIES),--families $(FAMILIES))
 
 # Re-pin every installed package after a deliberate upgrade.
 lock: venv

@@ -47,6 +47,7 @@ from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdat
 from lockstep.podconfig import ActorArgs, PodConfig, load_pod_config, parse_actor_args
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id, base_adapter
+from lockstep_workers.architectures import UnsupportedArchitecture, check_architecture
 from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
 from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
@@ -478,7 +479,8 @@ def main() -> None:
     options = parse_actor_args()
     try:
         applied = applied_settings(options.vllm)
-    except UnsupportedSetting as refused:
+        check_architecture(options.model)
+    except (UnsupportedSetting, UnsupportedArchitecture) as refused:
         raise SystemExit(f"the actor does not start: {refused}") from None
     asyncio.run(serve(options, applied))
 

@@ -82,9 +82,12 @@ def _log_softmax(
     top_p: float,
     fp32_head: bool,
     adapter: HeadAdapter | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """[tokens, vocabulary] log-probabilities after the sampler's transform, from the final hidden states; with a
-    LoRA ``adapter`` on the head, its term is added to the logits in the head's dtype, as PEFT's LoRA layer adds it."""
+    LoRA ``adapter`` on the head, its term is added to the logits in the head's dtype, as PEFT's LoRA layer adds it;
+    with ``soft_cap`` (Gemma 2's final_logit_softcapping) the logits become ``soft_cap * tanh(logits / soft_cap)``
+    before the temperature, as the model's own forward and vLLM's logits processor do."""
     if fp32_head:
         hidden, weight = hidden.float(), weight.float()
     logits = F.linear(hidden, weight)
@@ -93,7 +96,10 @@ def _log_softmax(
         if fp32_head:
             lora_a, lora_b = lora_a.float(), lora_b.float()
         logits = logits + F.linear(F.linear(dropout(hidden), lora_a), lora_b) * scaling
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if soft_cap:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = logits / temperature
     if top_p < 1:
         logits = top_p_masked(logits, top_p)
     return logits.log_softmax(dim=-1)
@@ -107,8 +113,10 @@ def _sampled(
     top_p: float,
     fp32_head: bool,
     adapter: HeadAdapter | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    return _log_softmax(hidden, weight, temperature, top_p, fp32_head, adapter).gather(1, targets[:, None])[:, 0]
+    scores = _log_softmax(hidden, weight, temperature, top_p, fp32_head, adapter, soft_cap)
+    return scores.gather(1, targets[:, None])[:, 0]
 
 
 class Policy(torch.nn.Module):
@@ -127,6 +135,8 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.causal_lm = causal_lm
         self.fp32_head = fp32_head
+        self.soft_cap: float | None = getattr(getattr(causal_lm, "config", None), "final_logit_softcapping", None)
+        """The model's final logit soft-capping (Gemma 2), applied as its own forward applies it."""
 
     def forward(
         self,
@@ -148,10 +158,10 @@ class Policy(torch.nn.Module):
         for start in range(0, len(targets), HEAD_CHUNK_TOKENS):
             part, chosen = hidden[start : start + HEAD_CHUNK_TOKENS], targets[start : start + HEAD_CHUNK_TOKENS]
             if torch.is_grad_enabled() and not with_entropy:
-                arguments = (part, weight, chosen, temperature, top_p, self.fp32_head, adapter)
+                arguments = (part, weight, chosen, temperature, top_p, self.fp32_head, adapter, self.soft_cap)
                 logprobs.append(checkpoint(_sampled, *arguments, use_reentrant=False))
                 continue
-            scores = _log_softmax(part, weight, temperature, top_p, self.fp32_head, adapter)
+            scores = _log_softmax(part, weight, temperature, top_p, self.fp32_head, adapter, self.soft_cap)
             logprobs.append(scores.gather(1, chosen[:, None])[:, 0])
             if with_entropy:
                 entropies.append(-(scores.exp() * scores.nan_to_num(neginf=0.0)).sum(dim=-1))

@@ -6,9 +6,9 @@ its kernel reads, a tied head shares the embeddings' parameter, fused modules (q
 several checkpoint tensors. A reload that misses one of these serves a mix of versions with no error. So for
 every module with a weight the check compares, on a few columns, the parameter (where vLLM keeps it) and what the
 module computes (its kernel applied to one-hot inputs, which returns those columns exactly) with the published
-tensors, fused ones concatenated as vLLM stacks them; every other parameter the file names is compared whole. A
-difference raises LoadMismatch naming the module. It reads only the probed columns of the file, and costs one
-small product per module.
+tensors, fused ones concatenated as vLLM stacks them (and their biases, whole); every other parameter the file
+names is compared whole. A difference raises LoadMismatch naming the module. It reads only the probed columns of
+the file (and the biases), and costs one small product per module.
 """
 
 from __future__ import annotations
@@ -92,6 +92,15 @@ def check_loaded(model: torch.nn.Module, path: Path, tied: list[list[str]]) -> L
             _check_module(module_name, module, weight, expected, columns, width, sources)
             checked.update(sources)
             report.modules += 1
+            biases = [name.removesuffix(".weight") + ".bias" for name in sources]
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor) and all(name in names for name in biases):
+                published_bias = torch.cat([published.get_tensor(name) for name in biases]).to(bias.dtype)
+                if bias.shape == published_bias.shape:  # else a tensor-parallel shard
+                    if not torch.equal(bias.detach(), published_bias):
+                        raise LoadMismatch(f"{module_name}: its bias is not the published {' + '.join(biases)}")
+                    checked.update(biases)
+                    report.parameters += 1
         for name, parameter in model.named_parameters():
             if (
                 name in names

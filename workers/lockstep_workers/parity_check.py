@@ -556,9 +556,11 @@ def job_configuration(config: PodConfig) -> Configuration:
 
 def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> int:
     """Measure the job's effective configuration and write a PreflightResult on this pod (with the engine
-    arguments the settings were applied as); exit 1, naming them, when this vLLM cannot honour the settings."""
+    arguments the settings were applied as); exit 1, naming them, when this vLLM cannot honour the settings or the
+    model is of a refused architecture (lockstep_workers.architectures)."""
     from lockstep_workers.actor import applied_settings
     from lockstep_workers.agent import pod_api
+    from lockstep_workers.architectures import UnsupportedArchitecture, check_architecture
 
     config = load_pod_config(environ)
     if config is None:
@@ -569,7 +571,8 @@ def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> in
     configuration = job_configuration(config)
     try:
         applied = applied_settings(configuration.vllm)
-    except UnsupportedSetting as refused:
+        check_architecture(str(model))
+    except (UnsupportedSetting, UnsupportedArchitecture) as refused:
         raise SystemExit(f"the preflight does not start: {refused}") from None
     with tempfile.TemporaryDirectory() as workdir:
         [measurement] = measure([configuration], model, Path(workdir), workload)

@@ -49,8 +49,7 @@ def create_tiny_llama(
     vocabulary holds ``words`` (vocabulary); the tokenizer has ``chat_template`` if given.
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     head_dim = 64
@@ -76,6 +75,15 @@ def create_tiny_llama(
     model = model.to(getattr(torch, dtype))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(directory, vocab, chat_template)
+    return directory
+
+
+def save_tokenizer(directory: Path, vocab: dict[str, int], chat_template: str | None = None) -> None:
+    """Write a word-level tokenizer of ``vocab`` (vocabulary) to ``directory``: whitespace-split words, ``<unk>``
+    for any other, ``<s>`` and ``</s>`` as BOS and EOS, and ``chat_template`` if given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -86,7 +94,6 @@ def create_tiny_llama(
         eos_token="</s>",
         chat_template=chat_template,
     ).save_pretrained(directory)
-    return directory
 
 
 def cpu_vllm_settings() -> VllmSettings:

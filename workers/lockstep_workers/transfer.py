@@ -294,10 +294,12 @@ async def receive(llm: Any, staged: StagedTransfer, backend: WeightSyncBackend) 
         "world_size": group.world_size,
         "packed": backend is WeightSyncBackend.NCCL,
     }
+    await llm.collective_rpc("lockstep_ties")  # recorded before any update can break them
     await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
     try:
         await llm.start_weight_update()
         await llm.update_weights(WeightTransferUpdateRequest(update_info=manifest.update_info()))
         await llm.finish_weight_update()
+        await llm.collective_rpc("lockstep_retie")  # a tied head's derived copy (lockstep_workers.vllm_extension)
     finally:
         await llm.shutdown_weight_transfer_engine()

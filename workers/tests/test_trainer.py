@@ -156,6 +156,25 @@ def test_the_chunked_head_scores_tokens_as_the_full_logits_do(tmp_path: Path, mo
             assert logprobs.isinf().any(), "some sampled tokens fall outside top-p 0.9 of a random model"
 
 
+def test_the_head_soft_caps_the_logits_as_the_models_own_forward_does(tmp_path: Path) -> None:
+    """Gemma 2's final_logit_softcapping (the tiny model's 0.5, which its logits reach): the scored tokens'
+    logprobs, with gradient and without, are the log-softmax of the model's own (capped) logits; vLLM's logits
+    processor caps them the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers.tiny_models import create_tiny_model, family
+
+    model = AutoModelForCausalLM.from_pretrained(create_tiny_model(family("gemma2"), tmp_path / "gemma2")).eval()
+    assert model.config.final_logit_softcapping == 0.5
+    rollout = Rollout([1, 10, 11], [20, 30, 40, 50], [0.0] * 4, 0)
+    logits = model(torch.tensor([rollout.prompt + rollout.completion])).logits.float() / TEMPERATURE
+    expected = logits.log_softmax(-1)[0, 2:6].gather(1, torch.tensor([[20], [30], [40], [50]]))[:, 0].detach()
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            logprobs, _, _ = token_logprobs(Policy(model), [rollout], TEMPERATURE)
+        torch.testing.assert_close(logprobs[0].detach(), expected)
+
+
 def test_micro_batches_accumulate_the_gradient_of_one_pass(tmp_path: Path) -> None:
     model = tiny(tmp_path / "model")
     rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=4, length=5)
