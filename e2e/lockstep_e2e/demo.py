@@ -52,6 +52,8 @@ class Demo:
     steps: int
     trainer: dict[str, Any]
     eval_rows: int
+    trainers: int
+    """Trainer ranks (gloo); two actors."""
     real_model: bool
     """Train SmolLM2-135M-Instruct (lockstep_e2e.real_model) in bf16, rather than the text task's tiny model in fp32."""
     preflight: bool
@@ -72,6 +74,7 @@ TINY = Demo(
         "objective": {"learningRate": 3e-4},
     },
     eval_rows=text_task.EVAL_ROWS,
+    trainers=2,
     real_model=False,
     preflight=True,
     seconds_per_step=10.0,
@@ -89,23 +92,27 @@ ADDITION = REPO / "examples" / "datasets" / "addition"
 REAL = Demo(
     job="smollm2",
     teaches="SmolLM2-135M-Instruct (pretrained, tied embeddings, bf16) learns two-digit addition",
-    steps=14,
+    steps=13,
     trainer={
         "dataset": {"train": str(ADDITION / "train.jsonl"), "eval": str(ADDITION / "eval.jsonl")},
-        "eval": {"everySteps": 2},
-        "rollout": {"promptsPerStep": 8, "samplesPerPrompt": 8, "maxTokens": 16, "temperature": 1.0},
-        "objective": {"learningRate": 4e-5},
+        "eval": {"everySteps": 3},
+        "rollout": {"promptsPerStep": 4, "samplesPerPrompt": 8, "maxTokens": 16, "temperature": 1.0},
+        "objective": {"learningRate": 2e-5},
     },
     eval_rows=text_task.ADDITION_ROWS[1],
+    trainers=1,
     real_model=True,
     preflight=False,
     seconds_per_step=60.0,
 )
-"""So that the pretrained model learns in about 5 minutes on 2 cores. Asked for just the number, it still often
-answers in words ("To add 86 and 87, we need to...", "45 + 15 = 60"; greedy, 0.10 of 20 eval rows right in 16
-tokens, 0.0 without "Answer with just the number."), and math_exact_match scores the last number of its answer:
-16 tokens hold a short answer and cut off a long one, so what it learns is to answer short and right. Groups of 8 at
-temperature 1.0 give most prompts both right and wrong answers to learn from."""
+"""So that the pretrained model learns in about 7 minutes warm on 2 cores. Asked for just the number, it still often
+answers in words ("To add 86 and 87, we need to...", "45 + 15 = 60"; greedy, 0.10 of the eval rows right), and
+math_exact_match scores the last number of its answer: 16 tokens hold a short answer and cut off a long one, so it
+learns to answer short and right. Learning takes most of a step (12 s of 19: forward and backward over 32 sequences
+of about 56 tokens in bf16), so 4 prompts a step, with groups of 8 at temperature 1.0 to give most prompts both right
+and wrong answers. Measured here (one run each): at 2e-5 with 4 prompts eval 0.10 -> 0.47 at version 15; with 8
+prompts 0.10 -> 0.45 at version 10 at twice the time a step; at 4e-5 with 8 prompts it rose to 0.38 and fell back
+to 0.15."""
 
 
 def step(message: str) -> None:
@@ -211,6 +218,7 @@ def main() -> None:
             workdir,
             name=demo.job,
             steps=steps,
+            trainers=demo.trainers,
             timeout=900.0 + demo.seconds_per_step * steps,
             progress=step,
             text=True,

@@ -266,9 +266,10 @@ def step_time(records: list[dict[str, Any]], updating: float) -> StepTime:
     )
 
 
-def update_seconds(cluster: LocalCluster, namespace: str, result: RunResult, name: str = "tiny") -> float:
+def update_seconds(cluster: LocalCluster, namespace: str, result: RunResult) -> float:
     """A weight update's median time in ``result``'s run, from the trainer's announcement to the last actor resumed
     (the API server's audit log and the actors' update records); 0 without a completed one."""
+    name = result.job["metadata"]["name"]
     latencies = update_latencies(cluster.audit_events(), namespace, name, result.updates)
     return statistics.median(latencies) if latencies else 0.0
 
