@@ -29,8 +29,8 @@ def trainer_logprobs(model_dir: Path, state: dict[str, Any] | None, prompt: list
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if state is not None:
-        model.load_state_dict(state)
+    if state is not None:  # a tied model's state names the head once, as its embeddings
+        model.load_state_dict(state, strict=not model.config.tie_word_embeddings)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
@@ -42,16 +42,19 @@ LONG_REQUEST = {"temperature": TEMPERATURE, "max_tokens": 300, "ignore_eos": Tru
 
 
 def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Any]:
-    """The tiny model with a perturbed lm_head, and those weights published as version 1."""
+    """The tiny model with a perturbed lm_head (its embeddings, when the head is tied to them), and those weights
+    published as version 1."""
     import torch
     from safetensors.torch import load_file
 
     from lockstep_workers.weights import publish
 
     generator = torch.Generator().manual_seed(7)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    heads = {"lm_head.weight"} & set(weights) or {"model.embed_tokens.weight"}
     updated = {
-        name: t + 0.5 * torch.randn(t.shape, generator=generator) if "lm_head" in name else t
-        for name, t in load_file(str(model_dir / "model.safetensors")).items()
+        name: t + 0.5 * torch.randn(t.shape, generator=generator) if name in heads else t
+        for name, t in weights.items()
     }
     return updated, publish(updated, directory, version=1)
 
