@@ -53,8 +53,7 @@ def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Any
     weights = load_file(str(model_dir / "model.safetensors"))
     heads = {"lm_head.weight"} & set(weights) or {"model.embed_tokens.weight"}
     updated = {
-        name: t + 0.5 * torch.randn(t.shape, generator=generator) if name in heads else t
-        for name, t in weights.items()
+        name: t + 0.5 * torch.randn(t.shape, generator=generator) if name in heads else t for name, t in weights.items()
     }
     return updated, publish(updated, directory, version=1)
 
