@@ -225,7 +225,7 @@ def main() -> None:
             trainer=demo.trainer,
             model=model,
             dtype=demo.dtype,
-            **({"preflight": {"enabled": True}} if demo.preflight else {}),
+            preflight={"enabled": demo.preflight},
         )
         report(demo, cluster, result, workdir)
         if result.job["status"]["phase"] != "Succeeded":
