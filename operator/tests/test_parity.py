@@ -180,6 +180,8 @@ MEASURED_ON_SMOLLM2 = [
     ("locked (default), bf16", 0.0402, 0.139, True),
     ("locked (default), fp32 model", 8.3e-6, 2.0e-5, True),
     ("locked (default) + LoRA r16, bf16", 0.0423, 0.0689, True),
+    ("locked (default), fp16", 0.00415, 0.0374, True),
+    ("locked (default) + LoRA r16, fp16", 0.00494, 0.0072, True),
     ("raw logprobs at temperature 0.7, bf16", 0.465, 0.465, False),
     ("locked + prefix caching with keep, bf16", 0.0402, 3.94, False),
     ("the stale tied head (before its fix), fp32 model", 8.3e-6, 2.04, False),
