@@ -52,6 +52,7 @@ from lockstep_workers.dataset import Prompt
 from lockstep_workers.learner import Rollout
 from lockstep_workers.pipeline import RolloutProducer, Schedule
 from lockstep_workers.rollouts import ActorService, FixedActors
+from lockstep_workers.scoring import Scores
 from lockstep_workers.vllm_args import AppliedSettings
 
 PROMPTS_PER_STEP = 4
@@ -111,8 +112,8 @@ def prompt_at(position: int) -> Prompt:
     return Prompt([1, 3 + position % 200], str(position), {})
 
 
-def no_reward(rollouts: list[Rollout], prompt: Prompt) -> tuple[list[Any], list[float], int]:
-    return [None] * len(rollouts), [0.0] * len(rollouts), 0
+def no_reward(rollouts: list[Rollout], prompt: Prompt) -> tuple[list[Any], Scores]:
+    return [None] * len(rollouts), Scores([0.0] * len(rollouts), {}, 0)
 
 
 def run(loop: str, max_lag: int, steps: int, sample: float, learn: float, actor: Actor, url: str) -> Result:

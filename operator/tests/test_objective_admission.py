@@ -54,3 +54,41 @@ def test_a_disabled_correction_with_settings_it_would_ignore_is_refused(ignored:
 def test_bounds_out_of_range_and_unknown_values_are_refused_by_name(correction: dict[str, Any], field: str) -> None:
     [error] = errors(correction)
     assert error.startswith(f"{FIELD}.{field}: "), error
+
+
+def test_a_minimum_learning_rate_ratio_without_a_decaying_schedule_is_refused() -> None:
+    spec = job()["spec"]
+    spec["trainer"]["objective"] = {"optimizer": {"minLearningRateRatio": 0.1}}
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.optimizer.minLearningRateRatio: Invalid value: "), error
+    assert "set schedule: linear or cosine" in error
+    spec["trainer"]["objective"]["optimizer"] |= {"schedule": "cosine", "warmupSteps": 5, "betas": [0.9, 0.95]}
+    assert schema_errors(spec) == []
+    spec["trainer"]["objective"]["optimizer"]["betas"] = [0.9, 1.0]
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.optimizer.betas[1]: "), error
+
+
+def test_a_warm_up_longer_than_the_job_is_refused() -> None:
+    spec = job()["spec"]
+    spec["trainer"] |= {"steps": 10, "objective": {"optimizer": {"warmupSteps": 11}}}
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.optimizer.warmupSteps: Invalid value: "), error
+    spec["trainer"]["objective"] |= {
+        "optimizer": {"warmupSteps": 10},
+        "advantage": "rloo",
+        "lossAggregation": "seq-mean-token-sum-norm",
+        "entropyCoefficient": 0.001,
+    }
+    assert schema_errors(spec) == []
+    spec["trainer"]["objective"]["advantage"] = "gae"
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.advantage: Unsupported value: "), error
+
+
+def test_a_kl_term_without_a_lora_adapter_is_refused() -> None:
+    spec = job()["spec"]
+    spec["trainer"]["objective"] = {"klCoefficient": 0.01, "klEstimator": "k3"}
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.klCoefficient: Invalid value: "), error
+    assert "a full fine-tuning job's frozen reference copy is not implemented" in error

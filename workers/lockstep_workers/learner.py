@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lockstep.api import Objective
+from lockstep.api import AdvantageEstimator, Objective
+from lockstep_workers import lora
 from lockstep_workers.objective import Batch, Statistics, loss_denominator, policy_loss
+from lockstep_workers.optimization import clip_gradients
 
 HEAD_CHUNK_TOKENS = 4096
 """Completion tokens per slice of the final projection. The [tokens, vocabulary] fp32 logits of one slice are the
@@ -183,8 +185,8 @@ def token_logprobs(
     width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Logprobs of each completion token under ``policy`` after the sampler's transform, their entropies (when
-    ``with_entropy``, without gradient) and the completion mask, all [sequences, ``width`` or the longest
-    completion] on the policy's device. A token outside the trainer's top-p set gets -inf."""
+    ``with_entropy``; with gradient when it is enabled) and the completion mask, all [sequences, ``width`` or the
+    longest completion] on the policy's device. A token outside the trainer's top-p set gets -inf."""
     device = device_of(policy)
     longest = max(len(r.prompt) + len(r.completion) for r in rollouts)
     width = width or max(len(r.completion) for r in rollouts)
@@ -216,15 +218,37 @@ def token_logprobs(
     return logprobs, entropies, mask
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Each reward minus its group's mean, over the group's population standard deviation (divided by the group's
-    size, not size - 1 as verl's sample one is) plus 1e-6: a group whose rewards are all equal gets 0."""
+def group_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, estimator: AdvantageEstimator = AdvantageEstimator.GRPO
+) -> torch.Tensor:
+    """Each reward against its group's (``estimator`` grpo, dr_grpo or rloo, docs/recipes.md): grpo, minus the
+    group's mean, over its population standard deviation (divided by the group's size, not size - 1 as verl's
+    sample one is) plus 1e-6; dr_grpo, minus the group's mean; rloo, minus the mean of the group's other rewards (0
+    alone in its group). A group whose rewards are all equal gets 0."""
     advantages = torch.zeros_like(rewards)
     for group in groups.unique():
         members = groups == group
         values = rewards[members]
-        advantages[members] = (values - values.mean()) / (values.std(unbiased=False) + 1e-6)
+        centred = values - values.mean()
+        if estimator is AdvantageEstimator.GRPO:
+            advantages[members] = centred / (values.std(unbiased=False) + 1e-6)
+        elif estimator is AdvantageEstimator.DR_GRPO:
+            advantages[members] = centred
+        elif len(values) > 1:  # r_i - mean of the others = n / (n - 1) (r_i - mean)
+            advantages[members] = centred * len(values) / (len(values) - 1)
     return advantages
+
+
+def whitened_rewards(rewards: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """REINFORCE++'s advantages: each reward (every token's return, with one reward at the end and no discount)
+    whitened over every token of the step on every rank, as verl's masked_whiten: (r - mean) / sqrt(var + 1e-8),
+    mean and unbiased variance over the tokens (``tokens``: each sequence's count; a collective)."""
+    count, total, squares = _summed(
+        [tokens.sum().item(), (tokens * rewards).sum().item(), (tokens * rewards**2).sum().item()], device
+    )
+    mean = total / max(count, 1.0)
+    variance = (squares - count * mean**2) / (count - 1) if count > 1 else 0.0
+    return (rewards - mean) / math.sqrt(max(variance, 0.0) + 1e-8)
 
 
 def _batch_statistics(
@@ -247,6 +271,13 @@ def _batch_statistics(
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _gradient_statistics(norm: float) -> Statistics:
+    """An optimiser step's gradient norm (before clipping). It is the whole model's, the same on every rank, so
+    rank 0's alone is counted (every rank has the statistics, which ``across_ranks`` adds)."""
+    counted = 1.0 if not dist.is_initialized() or dist.get_rank() == 0 else 0.0
+    return Statistics({"grad_norm": norm * counted, "optimizer_steps": counted})
 
 
 def _summed(values: list[float], device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
@@ -282,10 +313,12 @@ def learn(
     top_p: float = 1.0,
     version: int | None = None,
     max_lag: int | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, float]:
     """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
     micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics (its sums and counts over the
     micro-batches and minibatches, divided once) and those statistics, which ``across_ranks`` combines.
+    ``max_tokens`` (spec.trainer.rollout.maxTokens) is seq-mean-token-sum-norm's constant.
 
     The ratios are taken against the model as it was when the batch arrived (``old``), so they depart from 1, and
     clipping acts, from the second minibatch on; the entropy is that model's. ``version`` is the weights version the
@@ -315,6 +348,7 @@ def learn(
             for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device)
         ]
     old, entropy, completion = (torch.cat([part[n] for part in passes]) for n in range(3))  # type: ignore[misc]
+    reference = _reference_logprobs(policy, rollouts, objective, temperature, top_p, widest, device)
     # Only the tokens the policy sampled reach the loss, not those a multi-turn environment inserted; a token vLLM
     # sampled that falls outside the trainer's top-p set has no finite ratio: it is left out too.
     sampled = completion.clone()
@@ -328,7 +362,10 @@ def learn(
         rollout[row, : len(r.logprobs)] = torch.tensor(r.logprobs)
     reward = torch.tensor(list(rewards), dtype=torch.float64)
     groups = torch.tensor([r.group for r in rollouts])
-    advantages = group_advantages(reward, groups).to(device)
+    if objective.advantage is AdvantageEstimator.REINFORCE_PLUS_PLUS:
+        advantages = whitened_rewards(reward, mask.sum(dim=-1).double().cpu(), device).to(device)
+    else:
+        advantages = group_advantages(reward, groups, objective.advantage).to(device)
     statistics = _batch_statistics(reward, groups, sampled.cpu(), mask.cpu())
     for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
         rows = torch.isin(groups, chunk).nonzero()[:, 0].tolist()
@@ -337,18 +374,57 @@ def learn(
         (total,) = _summed([loss_denominator(mask[rows], objective)], device)
         optimizer.zero_grad()
         for part in micro_batches(rows, rollouts, objective.tokens_per_micro_batch, device):
-            new, _, _ = token_logprobs(policy, [rollouts[i] for i in part], temperature, top_p=top_p, width=widest)
+            new, new_entropy, _ = token_logprobs(
+                policy,
+                [rollouts[i] for i in part],
+                temperature,
+                top_p=top_p,
+                with_entropy=bool(objective.entropy_coefficient),
+                width=widest,
+            )
             kept = mask[part]
             batch = Batch(
-                torch.where(kept.bool(), new, 0.0), old[part], rollout[part], advantages[part], kept, entropy[part]
+                torch.where(kept.bool(), new, 0.0),
+                old[part],
+                rollout[part],
+                advantages[part],
+                kept,
+                entropy[part],
+                None if new_entropy is None else torch.where(kept.bool(), new_entropy, 0.0),
+                None if reference is None else reference[part],
             )
-            loss, measured = policy_loss(batch, objective)
+            loss, measured = policy_loss(batch, objective, max_tokens)
             (loss * measured.sums["loss_units"] / max(total, 1.0) * _world()).backward()
             statistics += measured
+        norm = clip_gradients(policy.parameters(), objective.optimizer.max_grad_norm)
+        statistics += _gradient_statistics(norm)
         optimizer.step()
     if version is not None:
         statistics += _staleness(rollouts, old, rollout, mask, version)
     return {**statistics.metrics(), **statistics.as_floats()}
+
+
+def _reference_logprobs(
+    policy: Policy,
+    rollouts: Sequence[Rollout],
+    objective: Objective,
+    temperature: float,
+    top_p: float,
+    width: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """With a KL coefficient, the reference policy's logprobs of the completions ([sequences, ``width``], no
+    gradient, 0 where outside its top-p set): the base model, a LoRA adapter disabled (lockstep_workers.lora.base_only),
+    through the same head as the policy's; None without one."""
+    if not objective.kl_coefficient:
+        return None
+    everything = list(range(len(rollouts)))
+    with torch.no_grad(), lora.base_only(policy.causal_lm):
+        parts = [
+            token_logprobs(policy, [rollouts[i] for i in rows], temperature, top_p=top_p, width=width)[0]
+            for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device)
+        ]
+    return torch.cat(parts).nan_to_num(neginf=0.0)
 
 
 def _staleness(

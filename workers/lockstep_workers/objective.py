@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.api import Algorithm, CorrectionLevel, CorrectionMode, Objective, RolloutCorrection
+from lockstep.api import (
+    Algorithm,
+    CorrectionLevel,
+    CorrectionMode,
+    KlEstimator,
+    LossAggregation,
+    Objective,
+    RolloutCorrection,
+)
 
 LOG_WEIGHT_BOUND = 20.0
 """Log importance weights are clamped to [-20, 20] before exp (verl's SAFETY_BOUND): a sequence's product of token
@@ -60,6 +68,11 @@ class Batch:
     advantages: torch.Tensor  # [sequences]
     mask: torch.Tensor
     entropy: torch.Tensor | None = None
+    """The proximal policy's entropy at each token (a metric)."""
+    new_entropy: torch.Tensor | None = None
+    """The trained policy's, with gradient: the entropy bonus (``Objective.entropy_coefficient``)."""
+    reference: torch.Tensor | None = None
+    """The reference policy's logprobs: the KL term (``Objective.kl_coefficient``)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,13 @@ class Statistics:
             }
         if "entropy" in s:
             out["entropy"] = ratio("entropy", "tokens")
+        if "entropy_bonus" in s:
+            out["entropy_bonus"] = ratio("entropy_bonus", "loss_units")
+        if "kl_loss" in s:
+            out["kl_loss"] = ratio("kl_loss", "loss_units")
+            out["kl_ref"] = ratio("kl_ref", "tokens")
+        if "optimizer_steps" in s:
+            out["grad_norm"] = ratio("grad_norm", "optimizer_steps")
         if "samples" in s:
             out["reward"] = ratio("reward", "samples")
             out["zero_advantage_groups"] = s["zero_advantage_groups"]
@@ -217,18 +237,57 @@ def rollout_correction(
     return Correction(weight, raw, applied, units, above=raw > upper, below=raw < lower, vetoed=vetoed)
 
 
+def aggregation_of(objective: Objective) -> LossAggregation:
+    """The objective's loss aggregation; unset, the algorithm's own (token-mean for ppo, else seq-mean-token-mean)."""
+    if objective.loss_aggregation is not None:
+        return objective.loss_aggregation
+    return LossAggregation.TOKEN_MEAN if objective.algorithm is Algorithm.PPO else LossAggregation.SEQ_MEAN_TOKEN_MEAN
+
+
+def kl_estimate(new: torch.Tensor, reference: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
+    """Per token, an estimate of KL(pi || pi_ref) from x = log pi - log pi_ref at a token sampled from pi (Schulman,
+    "Approximating KL divergence"; verl's kl_penalty): k1 = x; k2 = x^2 / 2; k3 = exp(-x) + x - 1 with -x clamped
+    to [-20, 20] and the estimate to [-10, 10], as verl's low_var_kl."""
+    x = new - reference
+    if estimator is KlEstimator.K1:
+        return x
+    if estimator is KlEstimator.K2:
+        return 0.5 * x.square()
+    log_ratio = (-x).clamp(-20, 20)
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+
+
 def loss_denominator(mask: torch.Tensor, objective: Objective) -> float:
-    """What ``policy_loss`` averages over in a batch with this [sequences, tokens] mask: its kept tokens for PPO,
-    its sequences with a kept token for GRPO and GSPO (the weight of the batch's loss in a larger one)."""
-    if objective.algorithm is Algorithm.PPO:
+    """What ``policy_loss`` averages over in a batch with this [sequences, tokens] mask: its kept tokens (token-mean)
+    or its sequences with a kept token (the seq-mean aggregations): the weight of the batch's loss in a larger one."""
+    if aggregation_of(objective) is LossAggregation.TOKEN_MEAN:
         return float(mask.sum().item())
     return float((mask.sum(dim=-1) > 0).sum().item())
 
 
-def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Statistics]:
+def aggregated(
+    terms: torch.Tensor, mask: torch.Tensor, aggregation: LossAggregation, max_tokens: int | None
+) -> torch.Tensor:
+    """The sum over the loss's units (``loss_denominator``'s) of [sequences, tokens] ``terms`` under a 0/1 ``mask``:
+    every kept token's term (token-mean); each sequence's mean (seq-mean-token-mean), or its sum over ``max_tokens``
+    (seq-mean-token-sum-norm)."""
+    terms = terms * mask
+    if aggregation is LossAggregation.TOKEN_MEAN:
+        return terms.sum()
+    if aggregation is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+        return (terms.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum()
+    if max_tokens is None:
+        raise ValueError("seq-mean-token-sum-norm divides by spec.trainer.rollout.maxTokens: pass max_tokens")
+    return terms.sum() / max_tokens
+
+
+def policy_loss(batch: Batch, objective: Objective, max_tokens: int | None = None) -> tuple[torch.Tensor, Statistics]:
     """The loss to minimise (the mean over ``loss_denominator``'s units, 0 without any; computed in float64, in
-    ``batch.new``'s dtype) and the batch's statistics. A loss that is not finite raises NonFiniteLoss, naming the
-    inputs that are not (before any gradient, so no optimiser step and no publish follows)."""
+    ``batch.new``'s dtype) and the batch's statistics; ``max_tokens`` (spec.trainer.rollout.maxTokens) is
+    seq-mean-token-sum-norm's constant. With an entropy coefficient c, the loss is the policy-gradient loss minus c
+    times the trained policy's entropy (``batch.new_entropy``), aggregated alike. A loss that is not finite raises
+    NonFiniteLoss, naming the inputs that are not (before any gradient, so no optimiser step and no publish
+    follows)."""
     mask = batch.mask.double()
     kept = mask.bool()
     old, rollout = batch.old.detach().double(), batch.rollout.detach().double()
@@ -245,12 +304,25 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
     clipped = ((ratio.detach() < low) | (ratio.detach() > high)).float() * mask
     correction = rollout_correction(old, rollout, mask, objective)
-    terms = surrogate * correction.weight * mask
+    terms = surrogate * correction.weight
     sequences = has_tokens.sum()
-    if objective.algorithm is Algorithm.PPO:
-        summed, units = -terms.sum(), mask.sum()
-    else:
-        summed, units = -(terms.sum(dim=-1) / lengths.clamp(min=1)).sum(), sequences
+    aggregation = aggregation_of(objective)
+    summed = -aggregated(terms, mask, aggregation, max_tokens)
+    units = mask.sum() if aggregation is LossAggregation.TOKEN_MEAN else sequences
+    bonus = {}
+    if objective.entropy_coefficient:
+        if batch.new_entropy is None:
+            raise ValueError("an entropy coefficient needs the trained policy's entropy (Batch.new_entropy)")
+        entropy = aggregated(batch.new_entropy.double(), mask, aggregation, max_tokens)
+        summed = summed - objective.entropy_coefficient * entropy
+        bonus = {"entropy_bonus": objective.entropy_coefficient * entropy.detach()}
+    if objective.kl_coefficient:
+        if batch.reference is None:
+            raise ValueError("a KL coefficient needs the reference policy's logprobs (Batch.reference)")
+        estimate = kl_estimate(batch.new.double(), batch.reference.detach().double(), objective.kl_estimator)
+        penalty = objective.kl_coefficient * aggregated(estimate, mask, aggregation, max_tokens)
+        summed = summed + penalty
+        bonus |= {"kl_loss": penalty.detach(), "kl_ref": (estimate.detach() * mask).sum()}
     if objective.algorithm is Algorithm.GSPO:  # one ratio, so one clip decision, per sequence
         clip = {"clipped": clipped.amax(dim=-1).sum(), "clip_units": sequences}
     else:
@@ -259,6 +331,7 @@ def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, Stati
     with torch.no_grad():
         x = log_ratio.detach()
         sums = {"loss": summed, "loss_units": units, **clip, "kl_new_old": ((torch.exp(x) - x - 1) * mask).sum()}
+        sums |= bonus
         mismatch, maxima = _mismatch(old, rollout, mask, correction)
         sums |= mismatch
         if batch.entropy is not None:

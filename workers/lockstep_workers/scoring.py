@@ -1,6 +1,6 @@
-"""Scoring completions with the job's reward function (spec.trainer.reward) in a pool of processes
-(spec.trainer.rewardProcesses), so that a slow reward runs beside the others and a crashing one cannot take the
-trainer's own state with it.
+"""Scoring completions with the job's reward functions (spec.trainer.reward, or several weighted, .rewards) in a pool
+of processes (spec.trainer.rewardProcesses), so that a slow reward runs beside the others and a crashing one cannot
+take the trainer's own state with it.
 
 A reward whose parameters include ``completion``, ``prompt`` and ``row`` is called with those keywords (the decoded
 completion, the prompt's text, its dataset row); any other with (prompt token ids, completion token ids). A reward
@@ -21,10 +21,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
-from lockstep.api import RewardErrorAction
+from lockstep.api import RewardErrorAction, WeightedReward
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -93,48 +92,70 @@ class RewardFailed(RuntimeError):
     """A reward function raised and spec.trainer.onRewardError is Fail."""
 
 
-class Scorer:
-    """The job's reward, run by ``processes`` processes forked when it is made (make it before the trainer starts
-    threads: torch.distributed, the metrics server)."""
+@dataclass(frozen=True)
+class Scores:
+    """Some samples' rewards: each function's own (``parts``, by name) and their weighted sum (``rewards``), and how
+    many (sample, function) pairs the functions raised on."""
 
-    def __init__(self, reference: str, on_error: RewardErrorAction, processes: int) -> None:
-        _reward(reference)  # an unimportable reward stops the trainer here, with its name
-        self.reference = reference
+    rewards: list[float]
+    parts: dict[str, list[float]]
+    errors: int
+
+
+def weighted_sum(parts: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
+    """Each sample's sum over the functions of its reward times the function's weight (``parts``: one list of the
+    samples' rewards per function)."""
+    return [sum(w * r for w, r in zip(weights, rewards, strict=True)) for rewards in zip(*parts, strict=True)]
+
+
+class Scorer:
+    """The job's reward functions, run by ``processes`` processes forked when it is made (make it before the trainer
+    starts threads: torch.distributed, the metrics server)."""
+
+    def __init__(self, functions: Sequence[WeightedReward], on_error: RewardErrorAction, processes: int) -> None:
+        for function in functions:
+            _reward(function.function)  # an unimportable reward stops the trainer here, with its name
+        self.functions = list(functions)
         self.on_error = on_error
         self.processes = processes
         self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"))
         # The fork context starts every process at the first task: now, before the caller starts threads.
-        self.pool.submit(_reward, reference).result()
+        self.pool.submit(_reward, self.functions[0].function).result()
 
-    def scores(self, samples: Sequence[RewardInput]) -> tuple[list[float], int]:
-        """Each sample's reward, and how many the reward function raised on (logged with their rows; scored 0, or
-        with onRewardError Fail, RewardFailed raised)."""
-        chunk = max(1, len(samples) // (4 * self.processes))
-        outcomes = list(self.pool.map(score, repeat(self.reference), samples, chunksize=chunk))
-        rewards, errors = [], 0
-        for sample, outcome in zip(samples, outcomes, strict=True):
-            if outcome.reward is not None:
-                rewards.append(outcome.reward)
-                continue
-            errors += 1
-            logger.warning(
-                "the reward function %s raised on row %s (prompt %r, completion %r), scored as onRewardError %s "
-                "says:\n%s",
-                self.reference,
-                sample.row,
-                sample.prompt,
-                sample.completion,
-                self.on_error.value,
-                outcome.error,
+    def scores(self, samples: Sequence[RewardInput]) -> Scores:
+        """Each sample's rewards (a function that raised is logged with the row and scores 0, or with onRewardError
+        Fail, RewardFailed is raised)."""
+        references = [function.function for function in self.functions for _ in samples]
+        chunk = max(1, len(references) // (4 * self.processes))
+        outcomes = list(self.pool.map(score, references, [*samples] * len(self.functions), chunksize=chunk))
+        parts: dict[str, list[float]] = {}
+        errors = 0
+        for n, function in enumerate(self.functions):
+            mine = outcomes[n * len(samples) : (n + 1) * len(samples)]
+            for sample, outcome in zip(samples, mine, strict=True):
+                if outcome.reward is None:
+                    errors += 1
+                    self._failed(function.function, sample, outcome.error or "")
+            parts[function.name] = [0.0 if outcome.reward is None else outcome.reward for outcome in mine]
+        rewards = weighted_sum(list(parts.values()), [function.weight for function in self.functions])
+        return Scores(rewards, parts, errors)
+
+    def _failed(self, reference: str, sample: RewardInput, error: str) -> None:
+        logger.warning(
+            "the reward function %s raised on row %s (prompt %r, completion %r), scored as onRewardError %s says:\n%s",
+            reference,
+            sample.row,
+            sample.prompt,
+            sample.completion,
+            self.on_error.value,
+            error,
+        )
+        if self.on_error is RewardErrorAction.FAIL:
+            raise RewardFailed(
+                f"the reward function {reference} raised on row {sample.row}: "
+                f"{error.strip().splitlines()[-1]}. spec.trainer.onRewardError is Fail; fix the reward or the row, "
+                "or set onRewardError: Zero to score such completions 0"
             )
-            if self.on_error is RewardErrorAction.FAIL:
-                raise RewardFailed(
-                    f"the reward function {self.reference} raised on row {sample.row}: "
-                    f"{(outcome.error or '').strip().splitlines()[-1]}. spec.trainer.onRewardError is Fail; fix the "
-                    "reward or the row, or set onRewardError: Zero to score such completions 0"
-                )
-            rewards.append(0.0)
-        return rewards, errors
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from lockstep_workers.dataset import Prompt, step_rows
 from lockstep_workers.learner import Rollout
-from lockstep_workers.pipeline import Group, RolloutProducer, Schedule
+from lockstep_workers.pipeline import RolloutProducer, Schedule, StepGroups, informative
 from lockstep_workers.rollouts import STALE_RESAMPLINGS, RolloutError, Rows
+from lockstep_workers.scoring import Scores
 
 
 def simulate(
@@ -32,21 +33,31 @@ def simulate(
     learn_seconds: Sequence[float],
     lagging: set[int],
     on_policy_groups: int = 0,
+    extra_groups: int = 0,
+    uninformative: frozenset[int] = frozenset(),
+    taken: dict[int, StepGroups] | None = None,
+    bounds: dict[int, int] | None = None,
 ) -> list[tuple[int, int, int]]:
     """The schedule driven by a discrete-event model of the actors and the learner from ``first_step`` (the actors
     serving version first_step - 1) through ``last_step``: each group takes the next of ``sample_seconds``, each
     step's learning the next of ``learn_seconds``, then its version is served at once. A group's oldest token is
     the version served when it was sent, one older on its first try at a ``lagging`` position (an actor that
-    reports a version but samples under an older one). Returns (position, learning step, oldest version) of every
-    learned group, in the order learned."""
+    reports a version but samples under an older one). With ``extra_groups`` (dynamic sampling), the groups of the
+    positions in ``uninformative`` have equal rewards, every try. Returns (position, learning step, oldest version)
+    of every learned group, in the order learned; each step's ``StepGroups`` go to ``taken``, each position's lag
+    bound when sent to ``bounds``."""
+    slots = prompts_per_step + extra_groups
     schedule = Schedule(
         prompts_per_step,
         max_lag,
         in_flight,
-        (first_step - 1) * prompts_per_step,
-        last_step * prompts_per_step,
+        (first_step - 1) * slots,
+        last_step * slots,
         on_policy_groups=on_policy_groups,
+        extra_groups=extra_groups,
     )
+    taken = {} if taken is None else taken
+    bounds = {} if bounds is None else bounds
     served, now, tries = first_step - 1, 0.0, 0
     events: list[tuple[float, int, str, int, int]] = []  # (time, order, kind, position or step, oldest version)
     learned: list[tuple[int, int, int]] = []
@@ -57,13 +68,15 @@ def simulate(
             assert schedule.within_lag(position, served) and len(schedule.in_flight) < in_flight
             oldest = served - 1 if position in lagging and position not in sent else served
             sent.add(position)
+            bounds[position] = schedule.lag_bound(position)
             schedule.submitted(position)
             tries += 1
             heapq.heappush(
                 events, (now + sample_seconds[tries % len(sample_seconds)], tries, "sampled", position, oldest)
             )
         if not learning and step <= last_step and schedule.ready(step):
-            for finished, oldest in schedule.take(step):
+            taken[step] = schedule.take(step)
+            for finished, oldest in taken[step].groups:
                 learned.append((finished, step, oldest))
             learning = True
             heapq.heappush(events, (now + learn_seconds[step % len(learn_seconds)], -step, "learned", step, 0))
@@ -74,10 +87,10 @@ def simulate(
             if schedule.is_stale(number, schedule.version_of(number) - oldest):
                 schedule.drop(number)
             else:
-                schedule.finish(number, (number, oldest))
+                schedule.finish(number, (number, oldest), number not in uninformative)
         else:
             learning, served, step = False, number, number + 1
-    assert len(schedule.finished) <= (max_lag + 1) * prompts_per_step, "the buffer is bounded by maxLag"
+    assert len(schedule.finished) <= (max_lag + 1) * slots, "the buffer is bounded by maxLag"
     return learned
 
 
@@ -138,6 +151,97 @@ def test_every_learned_token_is_within_max_lag_and_each_group_and_row_is_learned
         assert len(whole) < rows or set(whole) == set(range(rows)), "a row skipped within an epoch"
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts_per_step=st.integers(1, 5),
+    extra_groups=st.integers(1, 5),
+    max_lag=st.integers(0, 3),
+    in_flight=st.integers(1, 12),
+    steps=st.integers(1, 6),
+    stopped_after=st.integers(0, 6),
+    sample_seconds=latencies,
+    learn_seconds=latencies,
+    lagging=st.sets(st.integers(0, 60), max_size=10),
+    uninformative=st.frozensets(st.integers(0, 60)),
+    on_policy_groups=st.integers(0, 5),
+)
+def test_dynamic_sampling_learns_every_group_with_signal_and_replaces_the_others_within_the_bound(
+    prompts_per_step: int,
+    extra_groups: int,
+    max_lag: int,
+    in_flight: int,
+    steps: int,
+    stopped_after: int,
+    sample_seconds: list[float],
+    learn_seconds: list[float],
+    lagging: set[int],
+    uninformative: frozenset[int],
+    on_policy_groups: int,
+) -> None:
+    """With dynamic sampling, across a stop and a resume: every step learns promptsPerStep groups of its own
+    positions within maxLag; it samples one extra group per group without signal, at most maxExtraGroups, and
+    learns every group with signal it sampled; it learns groups without signal only once its extra groups are
+    spent; an extra group is held to the lag bound of the group it replaces, so a step whose extra groups did not
+    run out learns exactly onPolicyGroups groups sampled under its own version."""
+    stopped_after = min(stopped_after, steps)
+    on_policy_groups = min(on_policy_groups, prompts_per_step)
+    slots = prompts_per_step + extra_groups
+    run = (prompts_per_step, max_lag, in_flight)
+    taken: dict[int, StepGroups] = {}
+    bounds: dict[int, int] = {}
+    timings = (sample_seconds, learn_seconds, lagging, on_policy_groups, extra_groups, uninformative, taken, bounds)
+    learned = simulate(*run, 1, stopped_after, *timings) if stopped_after else []
+    if stopped_after < steps:
+        learned += simulate(*run, stopped_after + 1, steps, *timings)
+    assert sorted(taken) == list(range(1, steps + 1))
+    assert all((step - 1) - oldest <= max_lag for _, step, oldest in learned), "a token beyond maxLag was learned"
+    assert all(position // slots + 1 == step for position, step, _ in learned), "a group learned by another step"
+    assert len({position for position, _, _ in learned}) == len(learned), "a group learned twice"
+    for step, groups in taken.items():
+        mine = [(position, oldest) for position, at, oldest in learned if at == step]
+        assert len(mine) == prompts_per_step
+        without_signal = sum(position in uninformative for position, _ in mine)
+        assert without_signal == groups.unfilled
+        assert groups.extra == min(groups.dropped + groups.unfilled, extra_groups)
+        assert groups.unfilled == 0 or groups.extra == extra_groups, "a group without signal learned too soon"
+        assert all(oldest == step - 1 for position, oldest in mine if bounds[position] == 0)
+        if groups.unfilled == 0 and max_lag > 0:  # at maxLag 0 every group is on-policy
+            assert sum(bounds[position] == 0 for position, _ in mine) == on_policy_groups
+
+
+def test_a_group_without_signal_is_replaced_by_the_steps_next_extra_position_with_its_lag_bound() -> None:
+    schedule = Schedule(2, max_lag=1, groups_in_flight=8, start=0, end=8, on_policy_groups=1, extra_groups=2)
+    for position in (0, 1):
+        schedule.submitted(position)
+    assert schedule.candidate() == 4, "no extra position is sent before the step needs one"
+    schedule.finish(1, "b", has_signal=False)
+    assert schedule.candidate() == 2 and schedule.lag_bound(2) == 0, "the on-policy group's replacement is on-policy"
+    assert not schedule.ready(1)
+    schedule.submitted(2)
+    schedule.finish(0, "a")
+    schedule.finish(2, "c")
+    taken = schedule.take(1)
+    assert (taken.groups, taken.dropped, taken.extra, taken.unfilled) == (["a", "c"], 1, 1, 0)
+
+
+def test_a_step_that_spent_its_extra_groups_learns_its_earliest_groups_without_signal() -> None:
+    schedule = Schedule(2, max_lag=0, groups_in_flight=8, start=0, end=3, extra_groups=1)
+    for position in (0, 1):
+        schedule.submitted(position)
+        schedule.finish(position, position, has_signal=False)
+    assert schedule.next_submission(served=0) == 2
+    schedule.submitted(2)
+    schedule.finish(2, 2, has_signal=False)
+    assert schedule.ready(1) and schedule.exhausted()
+    taken = schedule.take(1)
+    assert (taken.groups, taken.dropped, taken.extra, taken.unfilled) == ([0, 1], 1, 1, 2)
+
+
+@given(st.lists(st.floats(-2, 2), min_size=1, max_size=8))
+def test_a_group_has_signal_unless_its_rewards_are_all_equal(rewards: list[float]) -> None:
+    assert informative(rewards) == (max(rewards) != min(rewards))
+
+
 def test_max_lag_0_sends_a_step_only_once_the_actors_serve_the_previous_version() -> None:
     schedule = Schedule(prompts_per_step=2, max_lag=0, groups_in_flight=8, start=2, end=8)
     assert schedule.next_submission(served=0) is None, "step 2 is learned with version 1"
@@ -189,8 +293,8 @@ class Actors:
 
 
 def producer_of(actors: Actors, schedule: Schedule) -> RolloutProducer:
-    def score(rollouts: list[Rollout], prompt: Prompt) -> tuple[list[Any], list[float], int]:
-        return [prompt.row] * len(rollouts), [1.0] * len(rollouts), 0
+    def score(rollouts: list[Rollout], prompt: Prompt) -> tuple[list[Any], Scores]:
+        return [prompt.row] * len(rollouts), Scores([1.0] * len(rollouts), {}, 0)
 
     return RolloutProducer(actors, schedule, lambda p: Prompt([100 + p], str(p), {"p": p}), 2, {}, score)
 
@@ -203,12 +307,33 @@ def test_a_stale_group_is_dropped_counted_and_its_prompt_sampled_again() -> None
     producer = producer_of(actors, Schedule(2, 1, 4, start=10, end=12))
     producer.start()
     try:
-        groups = producer.take(6)
+        groups = producer.take(6).groups
     finally:
         producer.close()
     assert [g.position for g in groups] == [10, 11]
     assert producer.counts.samples_dropped == 2 and sorted(actors.calls) == [110, 110, 111]
     assert [min(r.versions) for g in groups for r in g.rollouts] == [5, 5, 4, 4]
+
+
+def test_the_producer_samples_an_extra_prompt_in_place_of_a_group_whose_rewards_are_all_equal() -> None:
+    """Dynamic sampling: position 1's prompt scores the same for every sample, so the step's extra position 2 is
+    sampled, and the step learns positions 0 and 2."""
+    actors = Actors(served=0)
+    actors.release.set()
+
+    def score(rollouts: list[Rollout], prompt: Prompt) -> tuple[list[Any], Scores]:
+        rewards = [1.0] * len(rollouts) if prompt.row["p"] == 1 else [float(n) for n in range(len(rollouts))]
+        return [prompt.row] * len(rollouts), Scores(rewards, {}, 0)
+
+    schedule = Schedule(2, 0, 4, start=0, end=3, extra_groups=1)
+    producer = RolloutProducer(actors, schedule, lambda p: Prompt([100 + p], str(p), {"p": p}), 2, {}, score)
+    producer.start()
+    try:
+        taken = producer.take(1)
+    finally:
+        producer.close()
+    assert [g.position for g in taken.groups] == [0, 2] and (taken.dropped, taken.extra) == (1, 1)
+    assert sorted(actors.calls) == [100, 101, 102]
 
 
 def test_a_group_stale_after_every_resampling_stops_the_step_that_waits_for_it() -> None:
@@ -232,7 +357,7 @@ def test_evaluation_is_answered_while_training_requests_are_in_flight() -> None:
         assert evaluated.prompt == [0] and actors.calls == [], "answered while every training request is held"
         assert producer.counts.requests == {"train": 4, "eval": 1}
         actors.release.set()
-        groups: list[Group] = producer.take(1) + producer.take(2)
+        groups = producer.take(1).groups + producer.take(2).groups
     finally:
         producer.close()
     assert [g.position for g in groups] == [0, 1, 2, 3] and all(g.rewards == [1.0, 1.0] for g in groups)

@@ -8,10 +8,12 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from lockstep.api import RewardErrorAction
+from lockstep.api import RewardErrorAction, Training, WeightedReward
 from lockstep_workers.rewards import final_answer, format, math_exact_match
-from lockstep_workers.scoring import RewardFailed, RewardInput, Scorer, takes_text
+from lockstep_workers.scoring import RewardFailed, RewardInput, Scorer, Scores, takes_text, weighted_sum
 
 
 @pytest.mark.parametrize(
@@ -63,34 +65,39 @@ def raises_on_odd_rows(completion: str, prompt: str, row: dict[str, Any]) -> flo
     return 1.0
 
 
+def one(reference: str) -> list[WeightedReward]:
+    """spec.trainer.reward as the trainer scores it: the one function, of weight 1."""
+    return Training(reward=reference).reward_functions()
+
+
 def sample(n: int) -> RewardInput:
     return RewardInput([1, 2], [3, 4], f"prompt {n}", f"completion {n}", {"n": n})
 
 
 def test_rewards_on_text_and_on_token_ids_run_in_the_pool() -> None:
     assert takes_text(math_exact_match) and not takes_text(lambda prompt, completion: 0.0)
-    scorer = Scorer("lockstep_workers.rewards:target_words", RewardErrorAction.FAIL, processes=2)
+    scorer = Scorer(one("lockstep_workers.rewards:target_words"), RewardErrorAction.FAIL, processes=2)
     try:
         samples = [RewardInput([1], [3, 4, 200, 201], "p", "c", {}) for _ in range(5)]
-        assert scorer.scores(samples) == ([0.5] * 5, 0)
+        assert scorer.scores(samples) == Scores([0.5] * 5, {"reward": [0.5] * 5}, 0)
     finally:
         scorer.close()
-    scorer = Scorer("lockstep_workers.rewards:math_exact_match", RewardErrorAction.FAIL, processes=2)
+    scorer = Scorer(one("lockstep_workers.rewards:math_exact_match"), RewardErrorAction.FAIL, processes=2)
     try:
         samples = [RewardInput([1], [2], "p", f"#### {n}", {"answer": 3}) for n in (3, 4)]
-        assert scorer.scores(samples) == ([1.0, 0.0], 0)
+        assert scorer.scores(samples).rewards == [1.0, 0.0]
     finally:
         scorer.close()
 
 
 def test_a_raising_reward_scores_zero_with_zero_and_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    scorer = Scorer(f"{__name__}:raises_on_odd_rows", RewardErrorAction.ZERO, processes=2)
+    scorer = Scorer(one(f"{__name__}:raises_on_odd_rows"), RewardErrorAction.ZERO, processes=2)
     try:
         with caplog.at_level(logging.WARNING, logger="lockstep.trainer"):
-            rewards, errors = scorer.scores([sample(n) for n in range(4)])
+            scores = scorer.scores([sample(n) for n in range(4)])
     finally:
         scorer.close()
-    assert (rewards, errors) == ([1.0, 0.0, 1.0, 0.0], 2)
+    assert (scores.rewards, scores.errors) == ([1.0, 0.0, 1.0, 0.0], 2)
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2
     assert "{'n': 1}" in logged[0] and "ArithmeticError: row 1 is odd" in logged[0]
@@ -98,7 +105,7 @@ def test_a_raising_reward_scores_zero_with_zero_and_is_counted_and_logged(caplog
 
 
 def test_a_raising_reward_stops_the_trainer_with_fail(caplog: pytest.LogCaptureFixture) -> None:
-    scorer = Scorer(f"{__name__}:raises_on_odd_rows", RewardErrorAction.FAIL, processes=1)
+    scorer = Scorer(one(f"{__name__}:raises_on_odd_rows"), RewardErrorAction.FAIL, processes=1)
     try:
         with caplog.at_level(logging.WARNING, logger="lockstep.trainer"), pytest.raises(RewardFailed) as failed:
             scorer.scores([sample(n) for n in range(4)])
@@ -111,7 +118,7 @@ def test_a_raising_reward_stops_the_trainer_with_fail(caplog: pytest.LogCaptureF
 
 def test_an_unimportable_reward_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"'lockstep_workers\.rewards:nothing' cannot be imported"):
-        Scorer("lockstep_workers.rewards:nothing", RewardErrorAction.ZERO, processes=1)
+        Scorer(one("lockstep_workers.rewards:nothing"), RewardErrorAction.ZERO, processes=1)
 
 
 def nan_on_odd_rows(completion: str, prompt: str, row: dict[str, Any]) -> float:
@@ -120,17 +127,43 @@ def nan_on_odd_rows(completion: str, prompt: str, row: dict[str, Any]) -> float:
 
 def test_a_non_finite_reward_is_a_reward_error_under_on_reward_error(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 37 item 1: a NaN reward reached the loss and the trainer's reports unchecked."""
-    scorer = Scorer(f"{__name__}:nan_on_odd_rows", RewardErrorAction.ZERO, processes=1)
+    scorer = Scorer(one(f"{__name__}:nan_on_odd_rows"), RewardErrorAction.ZERO, processes=1)
     try:
         with caplog.at_level(logging.WARNING, logger="lockstep.trainer"):
-            rewards, errors = scorer.scores([sample(n) for n in range(4)])
+            scores = scorer.scores([sample(n) for n in range(4)])
     finally:
         scorer.close()
-    assert (rewards, errors) == ([1.0, 0.0, 0.0, 0.0], 3)
+    assert (scores.rewards, scores.errors) == ([1.0, 0.0, 0.0, 0.0], 3)
     assert "returned nan, not a finite number" in caplog.records[0].getMessage()
-    scorer = Scorer(f"{__name__}:nan_on_odd_rows", RewardErrorAction.FAIL, processes=1)
+    scorer = Scorer(one(f"{__name__}:nan_on_odd_rows"), RewardErrorAction.FAIL, processes=1)
     try:
         with pytest.raises(RewardFailed, match=r"raised on row \{'n': 1\}: ValueError: .* returned nan"):
             scorer.scores([sample(n) for n in range(4)])
     finally:
         scorer.close()
+
+
+def test_several_reward_functions_score_their_weighted_sum_and_each_its_own_part() -> None:
+    functions = [
+        WeightedReward(name="correct", function="lockstep_workers.rewards:math_exact_match"),
+        WeightedReward(name="format", function="lockstep_workers.rewards:format", weight=0.1),
+        WeightedReward(name="odd", function=f"{__name__}:raises_on_odd_rows", weight=-2.0),
+    ]
+    scorer = Scorer(functions, RewardErrorAction.ZERO, processes=2)
+    try:
+        samples = [RewardInput([1], [2], "p", text, {"answer": 3, "n": n}) for n, text in enumerate(["#### 3", "3"])]
+        scores = scorer.scores(samples)
+    finally:
+        scorer.close()
+    assert scores.parts == {"correct": [1.0, 1.0], "format": [1.0, 0.0], "odd": [1.0, 0.0]}
+    assert scores.rewards == pytest.approx([1.0 + 0.1 - 2.0, 1.0]) and scores.errors == 1
+
+
+@given(st.lists(st.tuples(st.floats(-10, 10), st.lists(st.floats(-10, 10), min_size=3, max_size=3)), max_size=5))
+def test_the_weighted_sum_is_each_samples_dot_product_of_weights_and_rewards(
+    functions: list[tuple[float, list[float]]],
+) -> None:
+    weights = [weight for weight, _ in functions]
+    parts = [rewards for _, rewards in functions]
+    expected = [sum(w * rewards[n] for w, rewards in functions) for n in range(3)] if functions else []
+    assert weighted_sum(parts, weights) == pytest.approx(expected)

@@ -12,6 +12,8 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from copy import deepcopy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +21,32 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lockstep.api import Dataset, Evaluation, LoraSettings, Objective, RolloutCorrection, Training
+from lockstep.api import (
+    Dataset,
+    DType,
+    Evaluation,
+    LoraSettings,
+    MismatchBudget,
+    ModelSource,
+    Objective,
+    OptimizerSettings,
+    Output,
+    Overlong,
+    RolloutCorrection,
+    Tracking,
+    TrainerNumerics,
+    Training,
+    VllmSettings,
+    WeightUpdateSemantics,
+)
+from lockstep.podconfig import PodConfig
 from lockstep_workers import learner, lora
 from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
 from lockstep_workers.objective import Statistics
 from lockstep_workers.rewards import target_words
 from lockstep_workers.rollouts import Rows
 from lockstep_workers.scoring import load_callable
+from lockstep_workers.shaping import masked_if_cut
 from lockstep_workers.tiny_model import create_tiny_llama
 
 TEMPERATURE = 1.0
@@ -193,10 +214,29 @@ def test_micro_batches_accumulate_the_gradient_of_one_pass(tmp_path: Path) -> No
     assert any(not torch.equal(t, model.state_dict()[n]) for n, t in trained[None].items()), "the steps moved"
 
 
+UNCLIPPED = OptimizerSettings(max_grad_norm=0.0)
+OBJECTIVES: list[dict[str, Any]] = [
+    {"algorithm": "ppo"},
+    {"algorithm": "grpo"},
+    {"algorithm": "gspo"},
+    {
+        "algorithm": "grpo",
+        "advantage": "rloo",
+        "loss_aggregation": "seq-mean-token-sum-norm",
+        "entropy_coefficient": 0.1,
+    },
+    {"algorithm": "gspo", "advantage": "dr_grpo", "loss_aggregation": "token-mean", "entropy_coefficient": 0.1},
+    {"algorithm": "ppo", "advantage": "reinforce_plus_plus"},
+]
+"""Today's three algorithms, and issue 34's estimators, aggregations and entropy bonus."""
+
+
 def test_the_step_metrics_are_the_same_for_any_micro_batch_size_and_number_of_ranks(tmp_path: Path) -> None:
     """Issue 24 item 1: micro-batches of 8 tokens measure what one pass does (the same gradient, so the same
     second minibatch); 2 or 3 ranks, each learning from its own prompt groups, their statistics added as
-    ``across_ranks`` adds them, measure what one rank does with the whole batch (no step: learning rate 0)."""
+    ``across_ranks`` adds them, measure what one rank does with the whole batch (no step: learning rate 0); for
+    every objective in OBJECTIVES (REINFORCE++ whitens over every rank's tokens, a collective that the ranks
+    simulated here, each learning alone, do not share: its ranks are checked by the micro-batches alone)."""
     model = tiny(tmp_path / "model")
     prompts = [[1, 10, 11], [1, 20, 21], [1, 30, 31], [1, 40, 41], [1, 50, 51], [1, 60, 61]]
     rollouts = sample(model, prompts, group=2, length=5)
@@ -206,25 +246,30 @@ def test_the_step_metrics_are_the_same_for_any_micro_batch_size_and_number_of_ra
     ]
     rewards = [1.0, 1.0] + [float(n % 2) for n in range(10)]  # the first group's rewards are all equal
     correction = RolloutCorrection(level="sequence", mode="mask", upper=3.0, veto=0.05)
-    for algorithm in ("ppo", "grpo", "gspo"):
+    for variant in OBJECTIVES:
         measured = {}
         for tokens in (None, 8):
             objective = Objective(
-                algorithm=algorithm, minibatches=2, tokens_per_micro_batch=tokens, rollout_correction=correction
+                **variant,
+                minibatches=2,
+                tokens_per_micro_batch=tokens,
+                rollout_correction=correction,
+                optimizer=UNCLIPPED,  # SGD's one step at rate 1 moves the ratios beyond the clip range
             )
             copy = tiny(tmp_path / "model")
+            optimizer = torch.optim.SGD(copy.parameters(), lr=1.0)
             measured[tokens] = learn(
-                Policy(copy), torch.optim.SGD(copy.parameters(), lr=1.0), rollouts, rewards, objective, 1.0, version=0
+                Policy(copy), optimizer, rollouts, rewards, objective, 1.0, version=0, max_tokens=5
             )
         one_pass = Statistics.from_floats(measured[None]).metrics()
         assert one_pass["zero_advantage_groups"] == 1 and one_pass["clamp_log_ratio_new_old_indicator"] > 0
         assert 0 < one_pass["rollout_is_masked_fraction"] < 1, "the mask acts on some sequences here"
         assert Statistics.from_floats(measured[8]).metrics() == pytest.approx(one_pass, rel=1e-4, abs=1e-6)
-        objective = Objective(
-            algorithm=algorithm, minibatches=2, tokens_per_micro_batch=8, rollout_correction=correction
-        )
+        if variant.get("advantage") == "reinforce_plus_plus":
+            continue
+        objective = Objective(**variant, minibatches=2, tokens_per_micro_batch=8, rollout_correction=correction)
         frozen = torch.optim.SGD(model.parameters(), lr=0.0)
-        whole = learn(Policy(model), frozen, rollouts, rewards, objective, 1.0, version=0)
+        whole = learn(Policy(model), frozen, rollouts, rewards, objective, 1.0, version=0, max_tokens=5)
         for world in (2, 3):
             ranks = Statistics()
             for rank in range(world):
@@ -237,9 +282,13 @@ def test_the_step_metrics_are_the_same_for_any_micro_batch_size_and_number_of_ra
                     objective,
                     1.0,
                     version=0,
+                    max_tokens=5,
                 )
                 ranks += Statistics.from_floats(shard)
-            assert ranks.metrics() == pytest.approx(Statistics.from_floats(whole).metrics(), rel=1e-5, abs=1e-6)
+            # Not the gradient's norm: FSDP reduces the gradients over real ranks (test_two_ranks_train_as_one_does).
+            combined, alone = ranks.metrics(), Statistics.from_floats(whole).metrics()
+            assert combined.pop("grad_norm") > 0 and alone.pop("grad_norm") > 0
+            assert combined == pytest.approx(alone, rel=1e-5, abs=1e-6)
         assert learner.across_ranks(whole, torch.device("cpu")) == Statistics.from_floats(whole).metrics()
 
 
@@ -294,6 +343,73 @@ def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) ->
         torch.testing.assert_close(masked_far[name], tensor)
     assert diff_zero == diff_far < 1e-4, "the environment's tokens are not measured either"
     assert unmasked_far > unmasked_zero + 5, "unmasked, the inserted tokens' logprobs would count"
+
+
+def test_completions_cut_at_max_tokens_stay_out_of_the_loss_with_overlong_mask(tmp_path: Path) -> None:
+    """spec.trainer.rollout.overlong mode mask: the cut completions' tokens do not reach the loss (what the rollout
+    engine said of them changes nothing), and a batch cut whole takes no step."""
+    model = tiny(tmp_path / "model")
+    full = sample(model, [[1, 10, 11], [1, 20, 21]], group=2, length=6)
+    rollouts = [
+        replace(r, completion=r.completion[:4], logprobs=r.logprobs[:4]) if n % 2 else r for n, r in enumerate(full)
+    ]
+    rewards, objective, mask = [0.0, 1.0, 1.0, 0.0], Objective(algorithm="grpo", minibatches=1), Overlong(mode="mask")
+    trained = []
+    for shift in (0.0, -30.0):
+        batch = [
+            replace(r, logprobs=[lp + shift for lp in r.logprobs]) if len(r.completion) == 6 else r for r in rollouts
+        ]
+        copy = deepcopy(model)
+        learn(
+            Policy(copy),
+            torch.optim.SGD(copy.parameters(), lr=1.0),
+            masked_if_cut(batch, 6, mask),
+            rewards,
+            objective,
+            1.0,
+        )
+        trained.append(copy.state_dict())
+    for name, tensor in trained[0].items():
+        torch.testing.assert_close(trained[1][name], tensor)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    metrics = learn(
+        Policy(model),
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        masked_if_cut(rollouts, 4, mask),
+        rewards,
+        objective,
+        1.0,
+    )
+    assert metrics["loss"] == 0.0 and all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_dynamic_sampling_the_overlong_penalty_and_weighted_rewards_reach_the_steps_metrics(tmp_path: Path) -> None:
+    """The trainer wires them: each step's reward is the weighted sum of its functions' means plus the mean penalty
+    (the scripted actors' completions are 6 tokens: -0.5 under maxTokens 8 and a window of 4), and dynamic
+    sampling reports what it dropped and sampled beyond promptsPerStep."""
+    settings = Training.model_validate(
+        {
+            **SETTINGS.model_dump(by_alias=True, exclude={"reward"}),
+            "checkpointEverySteps": 0,
+            "rewards": [
+                {"name": "target", "function": "lockstep_workers.rewards:target_words"},
+                {"name": "half", "function": "lockstep_workers.rewards:target_words", "weight": 0.5},
+            ],
+            "rollout": {
+                **SETTINGS.rollout.model_dump(by_alias=True, exclude_none=True),
+                "maxTokens": 8,
+                "dynamicSampling": True,
+                "maxExtraGroups": 2,
+                "overlong": {"mode": "penalty", "window": 4},
+            },
+        }
+    )
+    records = run_trainer(1, create_tiny_llama(tmp_path / "model"), tmp_path / "shared", 2, settings)
+    for record in records:
+        assert record["overlong_penalty"] == -0.5 and record["truncated_fraction"] == 0.0
+        assert record["rewards/target"] == pytest.approx(record["rewards/half"])
+        assert record["reward"] == pytest.approx(1.5 * record["rewards/target"] - 0.5)
+        assert record["extra_groups"] == min(record["dropped_groups"] + record["unfilled_groups"], 2)
 
 
 def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
@@ -409,7 +525,15 @@ SETTINGS = Training.model_validate(
         "checkpointEverySteps": 1,
         "checkpointsKept": 2,
         "rollout": {"promptsPerStep": 4, "samplesPerPrompt": 4},
-        "objective": {"algorithm": "grpo", "learningRate": 0.003, "minibatches": 2, "tokensPerMicroBatch": 40},
+        "objective": {
+            "algorithm": "grpo",
+            "learningRate": 0.003,
+            "minibatches": 2,
+            "tokensPerMicroBatch": 40,
+            # Steps 1 and 2 warm up, then a cosine decay to 0.1 x: whatever spec.trainer.steps a run has, a resumed
+            # run's step 3 follows a stopped run's step 2 at the rate of one that never stopped.
+            "optimizer": {"warmupSteps": 2, "schedule": "cosine", "minLearningRateRatio": 0.1},
+        },
     }
 )
 
@@ -449,6 +573,7 @@ def _rank(
     vocabulary: int,
     gradients: str | None = None,
     hold: int | None = None,
+    config: PodConfig | None = None,
 ) -> None:
     from lockstep_workers.pod import PodEnvironment
     from lockstep_workers.trainer import train
@@ -457,7 +582,7 @@ def _rank(
     torch.set_num_threads(1)
     if gradients is not None:
         _record_first_gradients(Path(gradients))
-    env = PodEnvironment(rank, world, ["scripted"], Path(shared), None, None, None, 0)
+    env = PodEnvironment(rank, world, ["scripted"], Path(shared), config, None, None, 0)
     train(model, settings, env, ScriptedActors(vocabulary=vocabulary, hold=hold))
 
 
@@ -469,15 +594,31 @@ def run_trainer(
     settings: Training = SETTINGS,
     vocabulary: int = 256,
     gradients: Path | None = None,
+    output: Output | None = None,
 ) -> list[dict[str, Any]]:
     """``steps`` steps (counted from where the job's directory ``shared`` left off) on ``world`` ranks; every
-    step's record so far. ``gradients``: where rank 0 writes its first optimizer step's gradient fingerprint."""
+    step's record so far. ``gradients``: where rank 0 writes its first optimizer step's gradient fingerprint;
+    ``output``: spec.output (in a PodConfig of the policy's defaults, which compute as no PodConfig does)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     settings = settings.model_copy(update={"steps": steps})
     recorded = str(gradients) if gradients is not None else None
-    mp.spawn(_rank, args=(world, port, str(model), str(shared), settings, vocabulary, recorded), nprocs=world)
+    config = None
+    if output is not None:
+        config = PodConfig(
+            fingerprint="test",
+            policy="default",
+            model=ModelSource(uri=str(model), dtype=DType.AUTO),
+            vllm=VllmSettings(),
+            trainer=TrainerNumerics(),
+            weight_update=WeightUpdateSemantics(),
+            mismatch_budget=MismatchBudget(),
+            training=settings,
+            output=output,
+        )
+    spawned = (world, port, str(model), str(shared), settings, vocabulary, recorded, None, config)
+    mp.spawn(_rank, args=spawned, nprocs=world)
     return [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -517,7 +658,7 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
         assert all(record[name] >= 0 for name in ("publish_gather_seconds", "publish_wait_seconds")), record
         assert record["publish_seconds"] > 0, record
     for mine, theirs in zip(two, one, strict=True):
-        for name in ("loss", "reward", "kl_new_old", "entropy"):
+        for name in ("loss", "reward", "kl_new_old", "entropy", "grad_norm", "learning_rate"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
     assert_same_weights(published(tmp_path / "two", 3), published(tmp_path / "one", 3))
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
@@ -618,8 +759,9 @@ def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_numbe
     resumed = run_trainer(1, model, tmp_path / "resumed", steps=4)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4], "steps 3 and 4 after the restart"
     for mine, theirs in zip(resumed[2:], straight[2:], strict=True):
-        for name in ("loss", "reward", "kl_new_old"):
+        for name in ("loss", "reward", "kl_new_old", "grad_norm", "learning_rate"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+    assert [r["learning_rate"] for r in straight] == pytest.approx([0.0015, 0.003, 0.00165, 0.0003])
     assert_same_weights(published(tmp_path / "resumed", 4), published(tmp_path / "straight", 4))
     expected, found = checkpointed(tmp_path / "straight", 4), checkpointed(tmp_path / "resumed", 4)
     assert found["trainer"]["step"] == 4
@@ -692,7 +834,9 @@ def test_a_trainer_killed_with_rows_sampled_but_not_learned_resumes_without_skip
 def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tmp_path: Path) -> None:
     """The demo's text task (spec.trainer.dataset, a reward on text, eval every 2 steps): a trainer stopped after
     step 2 and restarted asks for the same prompts in steps 3 and 4 as one that never stopped; each completion is
-    recorded with its prompt's text, row and reward; eval_reward is reported before steps 1 and 3."""
+    recorded with its prompt's text, row and reward; eval_reward is reported before steps 1 and 3, and the resumed
+    run's TensorBoard run (spec.trainer.tracking) holds steps 1 to 4. With spec.output every 2 steps, versions 2 and
+    4 are written there, each the published version."""
     from lockstep_workers import text_task
 
     shipped = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "larger"
@@ -703,11 +847,13 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
                 train=str(shipped / "train.jsonl"), eval=str(shipped / "eval.jsonl"), reward_fields=["answer"]
             ),
             "eval": Evaluation(every_steps=2, prompts=5),
+            "tracking": Tracking(tensorboard=True),
         }
     )
     model = text_task.create_model(tmp_path / "model")
     size = text_task.VOCABULARY_SIZE
-    straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=settings, vocabulary=size)
+    output = Output(path=str(tmp_path / "models"), every_steps=2, dtype=DType.FLOAT32)
+    straight = run_trainer(1, model, tmp_path / "straight", 4, settings, size, output=output)
     run_trainer(1, model, tmp_path / "resumed", steps=2, settings=settings, vocabulary=size)
     resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=settings, vocabulary=size)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -721,6 +867,21 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
 
     assert prompts(tmp_path / "resumed") == prompts(tmp_path / "straight")
     assert len({prompt for _, prompt, _ in prompts(tmp_path / "straight")}) == 4 * 4, "4 new rows a step"
+    from safetensors.torch import load_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lockstep_workers.tracking import run_directory
+
+    run = EventAccumulator(str(run_directory(tmp_path / "resumed")))
+    run.Reload()
+    assert [(e.step, e.value) for e in run.Scalars("reward")] == [
+        (r["step"], pytest.approx(r["reward"])) for r in resumed
+    ], "one TensorBoard run through the restart, as metrics.jsonl"
+    assert [e.step for e in run.Scalars("eval_reward")] == [1, 3]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["v000002", "v000004"]
+    assert_same_weights(
+        load_file(str(tmp_path / "models" / "v000004" / "model.safetensors")), published(tmp_path / "straight", 4)
+    )
 
 
 FIRST_STEP_GRADIENTS = Path(__file__).parent / "data" / "first_step_gradients.json"
@@ -730,9 +891,9 @@ FIRST_STEP_GRADIENTS = Path(__file__).parent / "data" / "first_step_gradients.js
 def test_max_lag_0_learns_the_first_step_with_the_gradients_of_the_serial_loop(tmp_path: Path) -> None:
     """maxLag 0 is synchronous on-policy RL as before the pipeline: the same seed gives the same gradients in the
     first step's first optimizer step as the serial loop gave (its fingerprint, recorded by this run on that code,
-    whose default objective had no importance-sampling correction; the suite's default is token TIS, so off here)."""
+    whose default objective had no importance-sampling correction and no gradient clipping, so both off here)."""
     correction = SETTINGS.objective.rollout_correction.model_copy(update={"enabled": False})
-    objective = SETTINGS.objective.model_copy(update={"rollout_correction": correction})
+    objective = SETTINGS.objective.model_copy(update={"rollout_correction": correction, "optimizer": UNCLIPPED})
     settings = SETTINGS.model_copy(update={"max_lag": 0, "seed": 3, "objective": objective})
     found = tmp_path / "gradients.json"
     run_trainer(1, create_tiny_llama(tmp_path / "model"), tmp_path / "shared", 1, settings, gradients=found)
@@ -742,8 +903,13 @@ def test_max_lag_0_learns_the_first_step_with_the_gradients_of_the_serial_loop(t
     )  # atol: a gradient's sum near 0 moves by rounding (the objective now sums in float64)
 
 
-LORA = SETTINGS.model_copy(update={"lora": LoraSettings(rank=4, alpha=8)})
-"""A LoRA job: an adapter of rank 4 on every linear module of the decoder layers."""
+LORA = SETTINGS.model_copy(
+    update={
+        "lora": LoraSettings(rank=4, alpha=8),
+        "objective": SETTINGS.objective.model_copy(update={"kl_coefficient": 0.05}),
+    }
+)
+"""A LoRA job: an adapter of rank 4 on every linear module of the decoder layers, with a KL term to the base."""
 
 
 def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of_ranks(tmp_path: Path) -> None:
@@ -770,8 +936,9 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
     resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=LORA)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for mine, theirs in zip(first + resumed[2:], straight, strict=True):
-        for name in ("loss", "reward", "kl_new_old", "entropy"):
+        for name in ("loss", "reward", "kl_new_old", "entropy", "grad_norm", "learning_rate", "kl_ref", "kl_loss"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+    assert all(r["kl_ref"] > 0 for r in straight), "each step's second minibatch learns after the adapter moved"
 
     modules = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
     expected = {
@@ -816,3 +983,48 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
     wider = lora.adapter_config(LoraSettings(rank=8, alpha=8), tiny(tmp_path / "model"))
     with pytest.raises(SystemExit, match=r"spec\.trainer\.lora changed since v000004\.safetensors was published \(r 4"):
         _check_adapter(path, wider)
+
+
+def test_a_lora_jobs_kl_reference_is_its_base_with_the_adapter_disabled(tmp_path: Path) -> None:
+    """spec.trainer.objective.klCoefficient in a LoRA job: the reference logprobs are the base model's (the adapter
+    disabled for that pass alone, no second copy); the adapter starts at zero, so the first step's KL is 0 and the
+    next one's is not. A model without an adapter has no reference."""
+    base = tiny(tmp_path / "model")
+    model = tiny(tmp_path / "model")
+    lora.inject(model, lora.adapter_config(LoraSettings(rank=4, alpha=8, train_lm_head=True), model))
+    rollouts = sample(base, [[1, 10, 11], [1, 20, 21]], group=4, length=5)
+    rewards = [target_words(r.prompt, r.completion) for r in rollouts]
+    objective = Objective(algorithm="grpo", minibatches=1, kl_coefficient=0.1, kl_estimator="k3")
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    first = learn(Policy(model), optimizer, rollouts, rewards, objective, TEMPERATURE, max_tokens=5)
+    second = learn(Policy(model), optimizer, rollouts, rewards, objective, TEMPERATURE, max_tokens=5)
+    assert first["kl_ref"] == 0 and first["kl_loss"] == 0
+    assert second["kl_ref"] > 0 and second["kl_loss"] == pytest.approx(0.1 * second["kl_ref"], rel=0.5)
+    expected, _, _ = token_logprobs(Policy(base), rollouts, TEMPERATURE)
+    with torch.no_grad(), lora.base_only(model):
+        reference, _, _ = token_logprobs(Policy(model), rollouts, TEMPERATURE)
+    torch.testing.assert_close(reference, expected)
+    with torch.no_grad():
+        adapted, _, _ = token_logprobs(Policy(model), rollouts, TEMPERATURE)
+    assert not torch.allclose(adapted, expected), "the adapter computes again after the reference's pass"
+    with pytest.raises(ValueError, match="no LoRA adapter to disable"):
+        learn(Policy(base), optimizer, rollouts, rewards, objective, TEMPERATURE, max_tokens=5)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus"])
+def test_each_advantage_estimator_learns_the_tiny_task(tmp_path: Path, estimator: str) -> None:
+    """spec.trainer.objective.advantage: 12 steps of the tiny task (4 prompts x 6 completions of 6 tokens) raise the
+    reward under each estimator."""
+    torch.manual_seed(0)
+    model = tiny(tmp_path / "model")
+    objective = Objective(algorithm="grpo", advantage=estimator, learning_rate=3e-3, minibatches=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    prompts = [[1, 10, 11], [1, 20, 21], [1, 30, 31], [1, 40, 41]]
+    history = []
+    for _ in range(12):
+        rollouts = sample(model, prompts, group=6, length=6)
+        rewards = [target_words(r.prompt, r.completion) for r in rollouts]
+        history.append(learn(Policy(model), optimizer, rollouts, rewards, objective, TEMPERATURE)["reward"])
+    first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
+    print(f"{estimator}: {' '.join(f'{r:.2f}' for r in history)}")
+    assert last > first + 0.15, f"reward {first:.3f} -> {last:.3f}"
