@@ -6,14 +6,19 @@
 - ``lockstep render FILE [--policy FILE]``: the effective vLLM arguments and config fingerprint.
 - ``lockstep status NAME [-n NAMESPACE]``: a job's phase, parity state and barrier history (uses
   $KUBECONFIG).
+- ``lockstep parity-check`` and ``lockstep export`` (lockstep_workers.parity_check, lockstep_workers.export; they
+  need lockstep[workers]): the mismatch per vLLM configuration; a published weights version written as a servable
+  Hugging Face directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +291,14 @@ def describe_status(name: str, state: dict[str, Any]) -> str:
             f"  trainer's last evaluation: eval reward {evaluation['reward']:.3g} on weights version "
             f"{evaluation['version']} ({evaluation['rows']} eval rows, greedy)"
         )
+    if written := state.get("output"):
+        evaluated = "no evaluation ran"
+        if written.get("evalReward") is not None:
+            evaluated = f"last eval reward {written['evalReward']:.3g} on weights version {written['evalVersion']}"
+        lines.append(
+            f"  trained model (spec.output): {written['path']}, weights version {written['version']} ({evaluated}; "
+            f"{written['digest'][:19]}...)"
+        )
     if barrier := state.get("barrier"):
         members = f"{len(barrier['members'])} member(s)"
         lines.append(
@@ -322,27 +335,43 @@ def main(argv: list[str] | None = None) -> None:
     command.add_argument("name")
     command.add_argument("-n", "--namespace", default="default")
     command.set_defaults(handler=status)
-    command = commands.add_parser(
-        "parity-check",
-        add_help=False,
-        help="measure the train-inference mismatch per vLLM configuration (needs lockstep[workers]; --help)",
-    )
-    command.set_defaults(handler=parity_check)
+    for name, (_, needs, summary) in WORKER_COMMANDS.items():
+        command = commands.add_parser(
+            name, add_help=False, help=f"{summary} (needs {needs}, from lockstep[workers]; --help)"
+        )
+        command.set_defaults(handler=functools.partial(worker_command, name))
     args, rest = parser.parse_known_args(argv)
-    if args.handler is parity_check:
-        sys.exit(parity_check(rest))
+    if isinstance(args.handler, functools.partial):  # a worker command parses its own options
+        sys.exit(args.handler(rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     sys.exit(args.handler(args))
 
 
-def parity_check(options: list[str]) -> int:
+WORKER_COMMANDS = {
+    "parity-check": (
+        "lockstep_workers.parity_check",
+        "vLLM and torch",
+        "measure the train-inference mismatch per vLLM configuration",
+    ),
+    "export": (
+        "lockstep_workers.export",
+        "torch and transformers",
+        "write a published weights version as a servable Hugging Face directory",
+    ),
+}
+"""The commands the workers' package runs (its module, what it needs, what it does), imported only when called."""
+
+
+def worker_command(name: str, options: list[str]) -> int:
+    """Run ``lockstep <name>`` with ``options`` from the workers' package, or say what to install."""
+    module, needs, _ = WORKER_COMMANDS[name]
     try:
-        from lockstep_workers import parity_check
+        main: Callable[[list[str]], int] = importlib.import_module(module).main
     except ImportError as error:
-        print(f"lockstep parity-check runs vLLM and torch: install lockstep[workers] ({error})", file=sys.stderr)
+        print(f"lockstep {name} runs {needs}: install lockstep[workers] ({error})", file=sys.stderr)
         return 2
-    return parity_check.main(options)
+    return main(options)
 
 
 if __name__ == "__main__":

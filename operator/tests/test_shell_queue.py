@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from factories import job, policy
 from fake_clients import HookedLock
@@ -188,6 +191,24 @@ def _points_of_a_closing_pass() -> int:
 
 def test_a_closing_pass_alone_leaves_no_barrier_open_and_no_wake_up_behind() -> None:
     assert _points_of_a_closing_pass() > 5
+
+
+def test_the_pass_that_closes_a_barrier_emits_its_trace_once() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    run = Run()
+    run.shell.tracer = provider.get_tracer("test")
+    run.close()
+    run.shell.request(NAMESPACE, JOB)  # a later pass closes nothing
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert len(exporter.get_finished_spans()) == len(spans) == 3
+    root = spans["lockstep.barrier"]
+    attributes = root.attributes or {}
+    assert (attributes["lockstep.weights.version"], attributes["lockstep.barrier.outcome"]) == (3, "Completed")
+    assert (attributes["k8s.namespace.name"], attributes["lockstep.job"]) == (NAMESPACE, JOB)
+    phases = ["lockstep.barrier.update", "lockstep.barrier.resume"]  # a barrier opens in Update
+    assert [spans[name].context.trace_id for name in phases] == [root.context.trace_id] * 2
 
 
 @pytest.mark.parametrize("point", [0, *range(1, _points_of_a_closing_pass() + 2)])

@@ -19,14 +19,24 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_generates_with_processed_logprobs_matching_the_trainer_forward(tiny_model: Path) -> None:
+def test_generates_with_processed_logprobs_matching_the_trainer_forward(tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM serves the weights as spec.output and `lockstep export` write them (a published version of the trainer's
+    weights, exported as a Hugging Face directory), and its logprobs are the trainer's forward pass's."""
     import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from lockstep.api import DType
+    from lockstep_workers import export
+    from lockstep_workers.weights import publish, version_path
+
+    publish(load_file(str(tiny_model / "model.safetensors")), tmp_path / "weights", 1)
+    exported = tmp_path / "exported"
+    export.write(version_path(tmp_path / "weights", 1), str(tiny_model), exported, DType.FLOAT32)
     llm = LLM(
-        model=str(tiny_model),
+        model=str(exported),
         dtype="float32",
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=False,

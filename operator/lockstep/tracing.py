@@ -1,0 +1,127 @@
+"""OpenTelemetry traces (docs/observability.md): one trace per weight update, made by the operator when its barrier
+closes, and one per trainer step, made by trainer rank 0 (lockstep_workers.traces).
+
+The spans are built after the fact, from times Lockstep already records (a closed barrier's ``BarrierRecord``, a
+step's timings), by pure functions returning ``SpanData``; ``emit`` hands them to a tracer. A process exports only
+when ``tracer`` finds an OTLP endpoint in its environment (the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``): otherwise there is no provider, no exporter and nothing to emit.
+
+Names: the spans and Lockstep's own attributes are under ``lockstep.``; the Kubernetes ones follow OpenTelemetry's
+semantic conventions (``k8s.namespace.name``, ``k8s.pod.name``). No GenAI convention applies: those describe
+inference requests and agents, not training or weight updates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Status, StatusCode, Tracer
+from opentelemetry.util.types import AttributeValue
+
+from lockstep.api import BarrierOutcome, BarrierRecord
+from lockstep.barrier import NEXT_PHASE
+from lockstep.protocol import BarrierPhase
+from lockstep.times import parse_rfc3339
+
+ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+"""Where OTLP/HTTP spans go (``<endpoint>/v1/traces``); unset: no traces."""
+TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+"""The traces' own OTLP endpoint (the whole URL); it takes precedence over ``ENDPOINT``."""
+SERVICE = "OTEL_SERVICE_NAME"
+"""The service the spans are from; unset: the process's default (``OPERATOR_SERVICE``, the trainer's)."""
+OPERATOR_SERVICE = "lockstep-operator"
+PREFIX = "lockstep"
+BARRIER_SPAN = f"{PREFIX}.barrier"
+
+
+@dataclass(frozen=True)
+class SpanData:
+    """A finished span to emit: its times in nanoseconds since the epoch, its attributes, and its child spans."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
+    error: str | None = None
+    """Why the work failed (the span's status is then ERROR); None: it did not."""
+    children: Sequence[SpanData] = ()
+
+
+def forwarded(environ: Mapping[str, str]) -> dict[str, str]:
+    """The OTLP endpoint variables set in ``environ`` (the operator's), which it gives the trainer pods: the
+    trainers export where the operator does, as their own service (OTEL_SERVICE_NAME is not passed on)."""
+    return {name: environ[name] for name in (ENDPOINT, TRACES_ENDPOINT) if environ.get(name)}
+
+
+def tracer(environ: Mapping[str, str], service: str) -> Tracer | None:
+    """A tracer that exports over OTLP/HTTP in batches when ``environ`` names an endpoint (the exporter reads the
+    other standard OTEL_EXPORTER_OTLP_* variables itself), as ``OTEL_SERVICE_NAME`` or else ``service``; None, and
+    nothing set up, when it names none."""
+    if not (environ.get(TRACES_ENDPOINT) or environ.get(ENDPOINT)):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: environ.get(SERVICE) or service}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider.get_tracer(PREFIX)
+
+
+def emit(tracer: Tracer, span: SpanData, parent: trace.Span | None = None) -> None:
+    """Emit ``span`` and its children (a new trace when ``parent`` is None) with their recorded times."""
+    context = trace.set_span_in_context(parent) if parent is not None else None
+    started = tracer.start_span(span.name, context=context, attributes=span.attributes, start_time=span.start_ns)
+    if span.error is not None:
+        started.set_status(Status(StatusCode.ERROR, span.error))
+    for child in span.children:
+        emit(tracer, child, started)
+    started.end(end_time=span.end_ns)
+
+
+def nanoseconds(moment: dt.datetime) -> int:
+    return int(moment.timestamp() * 1e9)
+
+
+def barrier_span(namespace: str, job: str, record: BarrierRecord) -> SpanData | None:
+    """The trace of a closed barrier: a ``lockstep.barrier`` span from its opening to its closing, with a child
+    per phase it went through (``lockstep.barrier.pause``, ``.update``, ``.resume``; it opens in Update, in Resume
+    when rolling, in Pause when it retries a transfer) back to back at their measured times, and, when it did not
+    complete, the phase after the last it finished, ending when it closed (none when it finished none). None for a
+    record without its closing time."""
+    if record.finished_at is None:
+        return None
+    end = nanoseconds(parse_rfc3339(record.finished_at))
+    start = end - round(record.seconds * 1e9)
+    finished = [phase for phase in BarrierPhase if phase.value in record.phase_seconds]
+    phases: list[SpanData] = []
+    moment = start
+    for phase in finished:
+        until = min(moment + max(round(record.phase_seconds[phase.value] * 1e9), 0), end)
+        phases.append(SpanData(f"{BARRIER_SPAN}.{phase.value.lower()}", moment, until))
+        moment = until
+    closed_in = NEXT_PHASE.get(finished[-1]) if finished and record.outcome is not BarrierOutcome.COMPLETED else None
+    if closed_in is not None:
+        phases.append(SpanData(f"{BARRIER_SPAN}.{closed_in.value.lower()}", moment, end))
+    attributes: dict[str, AttributeValue] = {
+        "k8s.namespace.name": namespace,
+        f"{PREFIX}.job": job,
+        f"{BARRIER_SPAN}.id": record.id,
+        f"{PREFIX}.weights.version": record.version,
+        f"{BARRIER_SPAN}.outcome": record.outcome.value,
+        f"{BARRIER_SPAN}.members": record.members,
+        f"{BARRIER_SPAN}.evicted": list(record.evicted),
+    }
+    if record.bytes is not None:
+        attributes[f"{PREFIX}.weights.bytes"] = record.bytes
+    if record.slowest_pod is not None:
+        attributes[f"{BARRIER_SPAN}.slowest_pod"] = record.slowest_pod
+    if record.reason is not None:
+        attributes[f"{BARRIER_SPAN}.reason"] = record.reason
+    failed = record.outcome is BarrierOutcome.FAILED
+    error = (record.error or "the barrier failed") if failed else None
+    return SpanData(BARRIER_SPAN, start, end, attributes, error, phases)
