@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo demo-tiny test unit venv binaries real-model kueue lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo models-matrix lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo demo-tiny test unit venv binaries real-model kueue lws lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo models-matrix lock clean images images-cuda images-push images-check image-tools
 
 # The real pretrained model learns two-digit addition; demo-tiny: a random 2-layer Llama, with a preflight (docs/demo.md).
 demo: venv binaries real-model
@@ -67,6 +67,11 @@ pytest: venv binaries kueue real-model
 # test's timeout has to hold a Go build.
 kueue: venv
 	$(PY) -c 'from lockstep_e2e.build import build_kueue; print(build_kueue())'
+
+# LeaderWorkerSet's controller manager (about 6 minutes when not cached), for multi-pod actor groups
+# (docs/actor-groups.md). Not yet a prerequisite of pytest: no test starts it.
+lws: venv
+	$(PY) -c 'from lockstep_e2e.build import build_lws; print(build_lws())'
 
 # The pure tests, in about a minute: no control plane (cluster), no vLLM engine (vllm), and none of the
 # trainer's torch.distributed runs (test_trainer.py) or the actor's process start, which imports vLLM.

@@ -24,6 +24,9 @@ ETCD_VERSION = "v3.7.3"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
 KUEUE_VERSION = "v0.17.0"
+LWS_VERSION = "v0.9.0"
+"""The newest LeaderWorkerSet the Go module proxy serves here (v0.10.0 is refused, 403); built on k8s.io v0.36
+(docs/actor-groups.md)."""
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 BINARIES = (*KUBERNETES_COMMANDS, "etcd", "kwok")
@@ -76,6 +79,30 @@ def kueue_module() -> Path:
     """Kueue's module source (its CRDs and webhook manifests, config/components/), from the Go module cache."""
     info = json.loads(_go("mod", "download", "-json", f"sigs.k8s.io/kueue@{KUEUE_VERSION}", cwd=cache_root()))
     return Path(info["Dir"])
+
+
+def lws_path() -> Path:
+    """LeaderWorkerSet's controller manager, built from sigs.k8s.io/lws (its own cache folder, by version)."""
+    return cache_root() / f"lws-{LWS_VERSION}" / "bin" / "lws"
+
+
+def build_lws() -> Path:
+    """Build LeaderWorkerSet's controller manager unless it is cached (about 6 minutes on 2 cores); return its path.
+
+    Built in a module that requires sigs.k8s.io/lws rather than by ``go install ...@version``, which asks the
+    module proxy for the module's version list (to check deprecations), and the proxy refuses that list (403)."""
+    target = lws_path()
+    if not target.is_file():
+        workdir = target.parent.parent / "module"
+        workdir.mkdir(parents=True, exist_ok=True)
+        main = "sigs.k8s.io/lws/cmd"
+        (workdir / "go.mod").write_text(
+            f"module lockstep.local/lws\n\ngo 1.26.0\n\nrequire sigs.k8s.io/lws {LWS_VERSION}\n\ntool {main}\n"
+        )
+        _step(f"building {main} {LWS_VERSION} (a few minutes on 2 cores)")
+        _go("mod", "tidy", cwd=workdir)
+        _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), main, cwd=workdir)
+    return target
 
 
 def _install_command(target: Path, package: str, ldflags: str = "") -> Path:
