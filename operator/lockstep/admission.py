@@ -260,7 +260,7 @@ def manifests() -> list[dict[str, Any]]:
 BARRIER_POLICY = "lockstep-barrier-annotations"
 OPERATOR_KEYS = (keys.BARRIER, keys.INITIAL_WEIGHTS)
 """Annotations only the operator writes."""
-POD_KEYS = (keys.BARRIER_ACK, keys.WEIGHTS, keys.MISMATCH, keys.EVALUATION, keys.PREFLIGHT)
+POD_KEYS = (keys.BARRIER_ACK, keys.WEIGHTS, keys.MISMATCH, keys.EVALUATION, keys.OUTPUT, keys.PREFLIGHT)
 """Annotations a pod writes on itself only: the only changes its own token may make."""
 SERVICE_ACCOUNT_USER = "system:serviceaccount:"
 """How the API server names a service account: ``system:serviceaccount:<namespace>:<name>``."""

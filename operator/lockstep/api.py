@@ -13,7 +13,16 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from lockstep import environment
-from lockstep.protocol import BarrierPhase, Command, EvalResult, Mismatch, PreflightResult, TransferGroup, Weights
+from lockstep.protocol import (
+    BarrierPhase,
+    Command,
+    EvalResult,
+    Mismatch,
+    OutputResult,
+    PreflightResult,
+    TransferGroup,
+    Weights,
+)
 from lockstep.schema import OPAQUE_LIST, OPAQUE_OBJECT, Model
 
 GROUP = "lockstep.dev"
@@ -463,9 +472,81 @@ class PodOverrides(Model):
     )
 
 
+GROUP_SPLIT_RULE = cel(
+    "self.dataParallelSize == 1 ? (self.tensorParallelSize * self.pipelineParallelSize) % self.pods == 0 "
+    ": self.dataParallelSize % self.pods == 0",
+    "spec.actors.group: the engine's ranks must split into whole engines over the group's pods, every pod running "
+    "the same number (vLLM gives each node the same local world size): with dataParallelSize 1, "
+    "tensorParallelSize x pipelineParallelSize must be a multiple of pods; with dataParallelSize above 1, "
+    "dataParallelSize must be a multiple of pods (each pod runs whole data-parallel engines); change the sizes or "
+    "pods",
+)
+"""No messageExpression with the numbers: the API server estimates its cost (string(int) concatenations) at more
+than 100 times the CRD's budget and refuses the CRD."""
+EXPERT_PARALLEL_RULE = cel(
+    "!self.expertParallel || self.tensorParallelSize * self.dataParallelSize > 1",
+    "spec.actors.group.expertParallel shards a MoE model's experts over tensorParallelSize times "
+    "dataParallelSize ranks, and both are 1: raise one of them, or set expertParallel to false",
+    field_path=".expertParallel",
+)
+
+
+class ActorGroup(Model):
+    """One vLLM engine split over several pods, created, scheduled and restarted as a unit (a LeaderWorkerSet
+    group, docs/actor-groups.md). Each pod runs tensorParallelSize x pipelineParallelSize x dataParallelSize / pods
+    ranks (GPUs on a GPU node)."""
+
+    model_config = ConfigDict(json_schema_extra=validations(GROUP_SPLIT_RULE, EXPERT_PARALLEL_RULE))
+
+    pods: Annotated[int, Field(ge=2, le=64)] = Field(
+        description="Pods per group: a leader, which serves the engine's API and runs the barrier agent, and "
+        "pods - 1 workers running vLLM's headless ranks."
+    )
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        1, description="Ranks each layer is sharded over (vLLM's --tensor-parallel-size), across pods. Default: 1."
+    )
+    pipeline_parallel_size: Annotated[int, Field(ge=1, le=64)] = Field(
+        1, description="Stages the layers are split into (vLLM's --pipeline-parallel-size). Default: 1."
+    )
+    data_parallel_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        1,
+        description="Engines of tensorParallelSize x pipelineParallelSize ranks each, behind the leader's API "
+        "(vLLM's --data-parallel-size). Default: 1.",
+    )
+    expert_parallel: bool = Field(
+        False,
+        description="Shard a MoE model's experts over tensorParallelSize x dataParallelSize ranks instead of "
+        "tensor-parallel slicing them (vLLM's --enable-expert-parallel). Default: false.",
+    )
+
+
+GROUP_NOT_RECONCILED_RULE = cel(
+    "!has(self.group)",
+    "spec.actors.group: multi-pod actor groups are not yet reconciled by this operator (issue 36: the API is "
+    "defined, the LeaderWorkerSet is not yet created); remove spec.actors.group to run single-pod actors",
+    field_path=".group",
+)
+"""Until the operator reconciles groups, a job that sets one is refused rather than half-applied."""
+GROUP_TENSOR_PARALLEL_RULE = cel(
+    "!has(self.group) || !has(self.vllm.tensorParallelSize)",
+    "spec.actors.vllm.tensorParallelSize and spec.actors.group both size the engine's tensor parallelism: with a "
+    "group, set spec.actors.group.tensorParallelSize and remove spec.actors.vllm.tensorParallelSize",
+    field_path=".vllm.tensorParallelSize",
+)
+
+
 class ActorSpec(PodOverrides):
+    model_config = ConfigDict(json_schema_extra=validations(GROUP_NOT_RECONCILED_RULE, GROUP_TENSOR_PARALLEL_RULE))
+
     replicas: Annotated[int, Field(ge=1, le=4096)] = Field(
-        1, description="vLLM rollout servers. To stop a job's pods, set spec.suspend instead of 0."
+        1,
+        description="vLLM rollout servers: pods, or groups of pods when group is set. To stop a job's pods, set "
+        "spec.suspend instead of 0.",
+    )
+    group: ActorGroup | None = Field(
+        None,
+        description="Split each actor's engine over several pods (a LeaderWorkerSet group). Default: unset, each "
+        "actor is one pod. Not yet reconciled: a job that sets it is refused.",
     )
     image: Annotated[str, Field(min_length=1)] = Field(
         description="The actors' (and the preflight pod's) container image: lockstep_workers with vLLM, e.g. "
@@ -537,11 +618,116 @@ class RolloutCorrection(Model):
     )
 
 
+class AdvantageEstimator(StrEnum):
+    GRPO = "grpo"
+    DR_GRPO = "dr_grpo"
+    RLOO = "rloo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+
+
+class LossAggregation(StrEnum):
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+
+class KlEstimator(StrEnum):
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+class LearningRateSchedule(StrEnum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+CONSTANT_SCHEDULE_RULE = cel(
+    "!has(self.minLearningRateRatio) || self.minLearningRateRatio == 0.0 || (has(self.schedule) && "
+    "self.schedule != 'constant')",
+    "spec.trainer.objective.optimizer.minLearningRateRatio is where a linear or cosine schedule ends; a constant "
+    "schedule never decays: remove it, or set schedule: linear or cosine",
+    field_path=".minLearningRateRatio",
+    reason="FieldValueInvalid",
+)
+
+
+class OptimizerSettings(Model):
+    """AdamW (torch.optim.AdamW) on the parameters that train, gradient-norm clipping, and the learning rate's
+    warm-up and schedule over the job's steps (docs/recipes.md); the peak rate is spec.trainer.objective.learningRate.
+    """
+
+    model_config = ConfigDict(json_schema_extra=validations(CONSTANT_SCHEDULE_RULE))
+
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
+        [0.9, 0.999],
+        min_length=2,
+        max_length=2,
+        description="AdamW's [beta1, beta2], the decay rates of the gradient's first and second moment estimates.",
+    )
+    eps: Annotated[float, Field(gt=0, le=1)] = Field(1e-8, description="AdamW's epsilon, added to the denominator.")
+    weight_decay: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0, description="AdamW's decoupled weight decay (0: Adam's update)."
+    )
+    max_grad_norm: Annotated[float, Field(ge=0)] = Field(
+        1.0,
+        description="Each optimiser step first scales the gradient down to this global L2 norm (over every rank's "
+        "shard) when it is larger; the norm before clipping is the grad_norm metric. 0: no clipping.",
+    )
+    warmup_steps: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="The learning rate rises linearly over this many steps, step n learning at n / warmupSteps of "
+        "learningRate, before the schedule. 0: no warm-up.",
+    )
+    schedule: LearningRateSchedule = Field(
+        LearningRateSchedule.CONSTANT,
+        description="After the warm-up: constant (learningRate), or a linear or cosine decay that reaches "
+        "minLearningRateRatio x learningRate at the job's last step (spec.trainer.steps).",
+    )
+    min_learning_rate_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0, description="Where a linear or cosine schedule ends, as a fraction of learningRate."
+    )
+
+
 class Objective(Model):
     algorithm: Algorithm = Field(
         Algorithm.GSPO,
         description="The clipped policy-gradient objective: ppo (token ratios, mean over all tokens), grpo (token "
-        "ratios, mean within each sequence, then over sequences) or gspo (one ratio per sequence).",
+        "ratios, mean within each sequence, then over sequences) or gspo (one ratio per sequence); lossAggregation "
+        "may change how the terms are averaged.",
+    )
+    advantage: AdvantageEstimator = Field(
+        AdvantageEstimator.GRPO,
+        description="Each completion's advantage from the rewards (docs/recipes.md): grpo (its reward minus its "
+        "group's mean, over the group's standard deviation), dr_grpo (minus the group's mean, no division), rloo "
+        "(minus the mean of the group's other completions) or reinforce_plus_plus (the rewards whitened over the "
+        "whole step's tokens, every rank's: no group baseline).",
+    )
+    loss_aggregation: LossAggregation | None = Field(
+        None,
+        description="How the per-token terms become the loss: token-mean (over every token of the minibatch), "
+        "seq-mean-token-mean (each sequence's mean, then the mean over sequences) or seq-mean-token-sum-norm (each "
+        "sequence's sum over spec.trainer.rollout.maxTokens, a constant, then the mean over sequences: Dr. GRPO's). "
+        "Unset: the algorithm's own, token-mean for ppo, seq-mean-token-mean for grpo and gspo.",
+    )
+    entropy_coefficient: Annotated[float, Field(ge=0)] = Field(
+        0.0,
+        description="The loss subtracts this times the trained policy's entropy at the sampled tokens, aggregated "
+        "as the loss is (lossAggregation): a bonus for exploration; the term's size is the entropy_bonus metric. 0: "
+        "none.",
+    )
+    kl_coefficient: Annotated[float, Field(ge=0)] = Field(
+        0.0,
+        description="The loss adds this times an estimate of KL(trained policy || reference) at the sampled tokens, "
+        "aggregated as the loss is; the reference is the base model, which in a LoRA job is the same model with the "
+        "adapter disabled (no second copy). Needs spec.trainer.lora: a full fine-tuning job's frozen reference is not "
+        "implemented. Metrics kl_ref (the estimate's mean over tokens) and kl_loss (the term). 0: none.",
+    )
+    kl_estimator: KlEstimator = Field(
+        KlEstimator.K3,
+        description="The per-token estimate of the KL, with x = log pi - log pi_ref (Schulman's): k1 = x, k2 = x^2 / "
+        "2, k3 = exp(-x) + x - 1 (low variance, always >= 0; verl's low_var_kl, clamped as verl clamps it).",
     )
     clip_epsilon_low: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.2, description="Lower clip range: the ratio is clipped below at 1 - clipEpsilonLow."
@@ -556,7 +742,11 @@ class Objective(Model):
         "level of the algorithm's own ratio.",
     )
     learning_rate: Annotated[float, Field(gt=0, le=1)] = Field(
-        1e-6, description="The optimiser's (Adam) learning rate."
+        1e-6, description="The optimiser's peak learning rate, after the warm-up (optimizer.warmupSteps)."
+    )
+    optimizer: OptimizerSettings = Field(
+        default_factory=OptimizerSettings,
+        description="AdamW's settings, gradient-norm clipping (at 1.0 by default) and the learning-rate schedule.",
     )
     minibatches: Annotated[int, Field(ge=1, le=64)] = Field(
         2,
@@ -575,7 +765,73 @@ CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_
 """``package.module:function``: a Python callable importable in the trainer's image."""
 
 
+class OverlongMode(StrEnum):
+    MASK = "mask"
+    PENALTY = "penalty"
+
+
+OVERLONG_WINDOW_RULE = cel(
+    "(self.mode == 'penalty') == has(self.window)",
+    "spec.trainer.rollout.overlong.window is the penalty's window: set it with mode penalty, remove it with mode mask",
+    field_path=".window",
+    reason="FieldValueInvalid",
+)
+OVERLONG_FACTOR_RULE = cel(
+    "self.mode == 'penalty' || !has(self.penaltyFactor)",
+    "spec.trainer.rollout.overlong.penaltyFactor scales the penalty, which mode mask does not give: remove it, or set "
+    "mode: penalty",
+    field_path=".penaltyFactor",
+    reason="FieldValueInvalid",
+)
+
+
+class Overlong(Model):
+    """What a completion cut at maxTokens costs (DAPO's overlong handling). A completion's length L is the number of
+    tokens the policy sampled (every turn's, in a multi-turn episode); it is cut when L reaches maxTokens M (the
+    actors report no finish reason, so one whose stop token is its M-th counts as cut too)."""
+
+    model_config = ConfigDict(json_schema_extra=validations(OVERLONG_WINDOW_RULE, OVERLONG_FACTOR_RULE))
+
+    mode: OverlongMode = Field(
+        description="mask: a cut completion stays out of the loss (its reward still counts in its group's "
+        "baseline); penalty: DAPO's soft overlong punishment, added to every completion's reward: 0 while L <= M - "
+        "window, (M - window - L) / window times penaltyFactor within the last window tokens, -penaltyFactor beyond "
+        "M (step metric overlong_penalty, the mean).",
+    )
+    window: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="With mode penalty, the last tokens before maxTokens over which the penalty grows from 0 to "
+        "-penaltyFactor (DAPO's L_cache, e.g. 4096 of 20480); at most maxTokens.",
+    )
+    penalty_factor: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="With mode penalty, the penalty at maxTokens and beyond, negated. Unset: 1."
+    )
+
+    @property
+    def factor(self) -> float:
+        """penaltyFactor, or its default."""
+        return self.penalty_factor if self.penalty_factor is not None else 1.0
+
+
+OVERLONG_WINDOW_BOUND_RULE = cel(
+    "!has(self.overlong) || !has(self.overlong.window) || self.overlong.window <= self.maxTokens",
+    "spec.trainer.rollout.overlong.window must be at most spec.trainer.rollout.maxTokens: the penalty's window is "
+    "the last tokens before it; lower the window, or raise maxTokens",
+    field_path=".overlong.window",
+    reason="FieldValueInvalid",
+)
+DYNAMIC_SAMPLING_BOUND_RULE = cel(
+    "self.dynamicSampling || !has(self.maxExtraGroups)",
+    "spec.trainer.rollout.maxExtraGroups bounds dynamic sampling, which is off: set dynamicSampling: true, or remove "
+    "maxExtraGroups",
+    field_path=".maxExtraGroups",
+    reason="FieldValueInvalid",
+)
+
+
 class RolloutSettings(Model):
+    model_config = ConfigDict(json_schema_extra=validations(DYNAMIC_SAMPLING_BOUND_RULE, OVERLONG_WINDOW_BOUND_RULE))
+
     prompts_per_step: Annotated[int, Field(ge=1, le=65536)] = Field(8, description="Prompts sampled per step.")
     groups_in_flight: Annotated[int, Field(ge=1, le=65536)] | None = Field(
         None,
@@ -597,6 +853,12 @@ class RolloutSettings(Model):
         8, description="Completions per prompt: a group, whose mean reward is the baseline (GRPO/GSPO)."
     )
     max_tokens: Annotated[int, Field(ge=1)] = Field(16, description="Longest completion, in tokens.")
+    overlong: Overlong | None = Field(
+        None,
+        description="What a completion cut at maxTokens costs: masked out of the loss, or DAPO's soft overlong "
+        "penalty on its reward (the step metric truncated_fraction counts them, set or not). Unset: nothing, it is "
+        "learned as any other.",
+    )
     temperature: Annotated[float, Field(gt=0)] = Field(
         1.0, description="Sampling temperature; the trainer applies the same one to its logprobs."
     )
@@ -614,6 +876,35 @@ class RolloutSettings(Model):
         "a mask of the tokens the policy produced; the tokens the environment inserted stay out of the loss); see "
         "lockstep_workers.episodes. Unset: one completion of the prompt.",
     )
+
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a prompt group whose rewards are all equal (no advantage, so no "
+        "gradient) is dropped, and another prompt of the step's is sampled in its place, until the step has "
+        "promptsPerStep groups with signal or has sampled maxExtraGroups more (step metrics dropped_groups, "
+        "extra_groups and unfilled_groups). Each step then draws promptsPerStep + maxExtraGroups prompts from the "
+        "dataset (or the prompt source) and samples the extra ones only as needed; those it does not need are not "
+        "sampled in that pass.",
+    )
+    max_extra_groups: Annotated[int, Field(ge=1, le=65536)] | None = Field(
+        None,
+        description="With dynamicSampling, the most prompt groups a step samples beyond promptsPerStep. Once they "
+        "are spent, the step goes on with the groups it has, filled up to promptsPerStep with its earliest dropped "
+        "ones (counted as unfilled_groups). Unset: promptsPerStep.",
+    )
+
+    @property
+    def extra_groups(self) -> int:
+        """How many prompt groups a step may sample beyond promptsPerStep: maxExtraGroups (or its default) with
+        dynamic sampling, else 0."""
+        if not self.dynamic_sampling:
+            return 0
+        return self.max_extra_groups if self.max_extra_groups is not None else self.prompts_per_step
+
+    @property
+    def prompts_drawn_per_step(self) -> int:
+        """How many prompts each step draws: promptsPerStep, and the extra ones dynamic sampling may sample."""
+        return self.prompts_per_step + self.extra_groups
 
     @property
     def in_flight(self) -> int:
@@ -703,20 +994,69 @@ class LoraSettings(Model):
     )
 
 
+class Tracking(Model):
+    """Experiment tracking of the trainer's run (docs/observability.md), beside metrics.jsonl and Prometheus."""
+
+    tensorboard: bool = Field(
+        False,
+        description="Write TensorBoard event files in tensorboard/ beside metrics.jsonl, in the job's directory on "
+        "spec.weightSync.volume (no server needed: point `tensorboard --logdir` at it): every step's metrics under "
+        "metrics.jsonl's names, each evaluation's eval_reward, and the effective configuration with its fingerprint "
+        "at the step each trainer starts from. A restarted trainer goes on with the same run. Needs the tensorboard "
+        "package in the trainer's image (lockstep[workers] has it). Default: false.",
+    )
+
+
 class RewardErrorAction(StrEnum):
     ZERO = "Zero"
     FAIL = "Fail"
 
 
+REWARD_NAME_PATTERN = r"^[a-z][a-z0-9_]*$"
+MAX_REWARDS = 16
+"""The most reward functions spec.trainer.rewards may list: bounded, as the lists CEL rules read must be."""
+
+
+class WeightedReward(Model):
+    """One of several reward functions: a completion's reward is the sum of each function's times its weight."""
+
+    name: Annotated[str, Field(pattern=REWARD_NAME_PATTERN, max_length=63)] = Field(
+        description="The function's name in the step metrics: rewards/<name> is its own mean reward over the step's "
+        "completions, before its weight.",
+    )
+    function: str = Field(
+        pattern=CALLABLE_PATTERN,
+        description="The reward function, package.module:function, called as spec.trainer.reward is.",
+    )
+    weight: float = Field(1.0, description="What the function's reward is multiplied by in the sum.")
+
+
+UNIQUE_REWARD_NAMES_RULE = cel(
+    "self.all(x, self.exists_one(y, y.name == x.name))",
+    "spec.trainer.rewards: each reward function needs a name of its own, its step metric rewards/<name>",
+    reason="FieldValueDuplicate",
+)
+
+
 class Training(Model):
     """What the trainer process runs: the operator passes these fields to it as they are (PodConfig.training)."""
 
-    reward: str = Field(
+    reward: str | None = Field(
+        None,
         pattern=CALLABLE_PATTERN,
         description="The reward function, package.module:function. One with parameters (completion, prompt, row) "
         "gets the decoded completion, the prompt's text and its dataset row, e.g. "
         "lockstep_workers.rewards:math_exact_match; any other is called as reward(prompt_token_ids, "
-        "completion_token_ids), e.g. lockstep_workers.rewards:target_words. It returns a float.",
+        "completion_token_ids), e.g. lockstep_workers.rewards:target_words. It returns a float. Set it or rewards.",
+    )
+    rewards: list[WeightedReward] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_REWARDS,
+        description="Several reward functions instead of reward, e.g. correctness with weight 1 and format with "
+        "weight 0.1: a completion's reward is the weighted sum, and each function's own mean is the step metric "
+        "rewards/<name>. A function that raises counts in reward_errors and is scored as onRewardError says.",
+        json_schema_extra=validations(UNIQUE_REWARD_NAMES_RULE),
     )
     on_reward_error: RewardErrorAction = Field(
         RewardErrorAction.FAIL,
@@ -761,6 +1101,7 @@ class Training(Model):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in the backward pass instead of keeping them."
     )
+    tracking: Tracking = Field(default_factory=Tracking, description="Experiment tracking of the trainer's run.")
     lora: LoraSettings | None = Field(
         None,
         description="Train a LoRA adapter instead of every weight (docs/lora.md); each version is the adapter "
@@ -768,7 +1109,23 @@ class Training(Model):
         "full fine-tuning.",
     )
 
+    def reward_functions(self) -> list[WeightedReward]:
+        """The reward functions and their weights: rewards, or reward alone with weight 1 (the CRD admits exactly one
+        of the two)."""
+        if self.rewards is not None:
+            return self.rewards
+        if self.reward is None:
+            raise ValueError("spec.trainer: set reward, or rewards, the function(s) that score each completion")
+        return [WeightedReward(name="reward", function=self.reward)]
 
+
+REWARD_CHOICE_RULE = cel(
+    "has(self.reward) != has(self.rewards)",
+    "spec.trainer needs exactly one of reward (one function) and rewards (several, weighted): set one, remove the "
+    "other",
+    field_path=".reward",
+    reason="FieldValueInvalid",
+)
 EVAL_SPLIT_RULE = cel(
     "self.eval.everySteps == 0 || (has(self.dataset) && has(self.dataset.eval))",
     "spec.trainer.eval.everySteps needs spec.trainer.dataset.eval, the rows to evaluate on: set it, or set "
@@ -788,6 +1145,19 @@ TRAINER_SHARDS_RULE = cel(
     "raise promptsPerStep or lower the others",
     field_path=".rollout.promptsPerStep",
 )
+KL_REFERENCE_RULE = cel(
+    "self.objective.klCoefficient == 0.0 || has(self.lora)",
+    "spec.trainer.objective.klCoefficient needs spec.trainer.lora: the reference policy is the base model with the "
+    "adapter disabled, and a full fine-tuning job's frozen reference copy is not implemented; set lora, or "
+    "klCoefficient to 0",
+    field_path=".objective.klCoefficient",
+)
+WARMUP_RULE = cel(
+    "self.objective.optimizer.warmupSteps <= self.steps",
+    "spec.trainer.objective.optimizer.warmupSteps must be at most spec.trainer.steps: a longer warm-up never "
+    "reaches learningRate; lower it, or raise steps",
+    field_path=".objective.optimizer.warmupSteps",
+)
 
 LORA_IMMUTABLE_RULE = cel(
     "has(self.lora) == has(oldSelf.lora) && (!has(self.lora) || self.lora == oldSelf.lora)",
@@ -802,7 +1172,15 @@ old and the new object have it, so adding or removing the adapter would pass."""
 
 class TrainerSpec(PodOverrides, Training):
     model_config = ConfigDict(
-        json_schema_extra=validations(TRAINER_SHARDS_RULE, ON_POLICY_GROUPS_RULE, EVAL_SPLIT_RULE, LORA_IMMUTABLE_RULE)
+        json_schema_extra=validations(
+            TRAINER_SHARDS_RULE,
+            ON_POLICY_GROUPS_RULE,
+            EVAL_SPLIT_RULE,
+            WARMUP_RULE,
+            KL_REFERENCE_RULE,
+            LORA_IMMUTABLE_RULE,
+            REWARD_CHOICE_RULE,
+        )
     )
 
     replicas: Annotated[int, Field(ge=1, le=1024)] = Field(1, description="torch.distributed world size.")
@@ -908,6 +1286,34 @@ class Preflight(Model):
     )
 
 
+class Output(Model):
+    """Where the trainer writes the trained model, servable (docs/observability.md): a Hugging Face directory (the
+    config, the tokenizer files with the chat template, the generation config and safetensors shards) or, in a LoRA
+    job, PEFT's adapter directory. Trainer rank 0 writes it from a published version, into a temporary directory
+    beside the final one and then renames it, so that nothing half-written is ever under the final name."""
+
+    path: Annotated[str, Field(min_length=2, max_length=1024, pattern=r"^/")] = Field(
+        description="An absolute directory in the trainer pod, on a volume of spec.trainer.volumeMounts (e.g. a "
+        "PersistentVolumeClaim): each write is its subdirectory v<version, 6 digits>, e.g. /models/out/v000100, "
+        "which `vllm serve` takes as it is. status.output names the last one."
+    )
+    dtype: DType = Field(
+        DType.BFLOAT16,
+        description="The dtype of the written tensors (the trainer's master weights are fp32); auto: the base "
+        "checkpoint's. Default: bfloat16.",
+    )
+    every_steps: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="Also write the model every this many steps, besides at the end of a successful job. 0 (the "
+        "default): at the end only.",
+    )
+    merged: bool = Field(
+        False,
+        description="LoRA jobs (spec.trainer.lora): also write the base model with the adapter merged into it, in "
+        "the subdirectory merged/ of each write, a whole Hugging Face model. Default: false, the adapter alone.",
+    )
+
+
 RLJOB_NAME_MAX = 45
 RLJOB_NAME_RULE = cel(
     f"size(self.metadata.name) <= {RLJOB_NAME_MAX}",
@@ -921,6 +1327,16 @@ RLJOB_NAME_LABEL_RULE = cel(
     "choose such a name",
 )
 RLJOB_NAME_RULES = (RLJOB_NAME_RULE, RLJOB_NAME_LABEL_RULE)
+
+OUTPUT_VOLUME_RULE = cel(
+    "!has(self.output) || (has(self.trainer.volumeMounts) && self.trainer.volumeMounts.exists(m, "
+    "self.output.path == m.mountPath || self.output.path.startsWith(m.mountPath.endsWith('/') ? m.mountPath : "
+    "m.mountPath + '/')))",
+    "spec.output.path must be on a volume the trainer mounts: at or under the mountPath of one of "
+    "spec.trainer.volumeMounts (e.g. a PersistentVolumeClaim mounted at /models); add the volume and its mount",
+    field_path=".output.path",
+)
+
 
 LORA_BACKEND_RULE = cel(
     "!has(self.trainer.lora) || self.weightSync.backend == 'filesystem'",
@@ -952,7 +1368,7 @@ class NetworkIsolation(Model):
 class RLJobSpec(Model):
     """An online RL job: vLLM rollout actors and a torch trainer, kept in lockstep by weight-update barriers."""
 
-    model_config = ConfigDict(json_schema_extra=validations(LORA_BACKEND_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(LORA_BACKEND_RULE, OUTPUT_VOLUME_RULE))
 
     model: ModelSource = Field(
         description="The base model the actors serve and the trainer trains (immutable).",
@@ -968,6 +1384,9 @@ class RLJobSpec(Model):
         default_factory=Preflight, description="A train-inference parity check before training starts."
     )
     network_policy: NetworkIsolation = Field(default_factory=NetworkIsolation)
+    output: Output | None = Field(
+        None, description="Where the trainer writes the trained model, servable. Default: unset, nothing written."
+    )
     suspend: bool = Field(
         False,
         description="True deletes the job's pods and keeps its status (not counted as a restart); false creates "
@@ -1061,6 +1480,7 @@ class BarrierRecord(Model):
     phase_seconds: dict[str, float] = Field(description="phase → how long it took, in seconds")
     slowest_pod: str | None = Field(None, description="the member that acked the longest phase last")
     members: int = Field(description="how many pods took part")
+    bytes: int | None = Field(None, description="the version's size in bytes, as the trainer announced it")
     evicted: list[str] = Field(default_factory=list, description="members evicted as stragglers")
     reason: str | None = Field(
         None,
@@ -1138,6 +1558,7 @@ class RLJobStatus(Model):
     )
     mismatch: Mismatch | None = Field(None, description="The trainer's last parity measurement.")
     evaluation: EvalResult | None = Field(None, description="The trainer's last evaluation (spec.trainer.eval).")
+    output: OutputResult | None = Field(None, description="The trained model the trainer wrote last (spec.output).")
     preflight: PreflightResult | None = Field(None, description="The preflight parity check's result.")
     config_fingerprint: str | None = Field(
         None, description="sha256 of the effective configuration, also on every pod (a pod that differs is drift)."

@@ -509,6 +509,7 @@ def _record(
         phase_seconds=barrier.phase_seconds,
         slowest_pod=slowest[1] if slowest else None,
         members=len(barrier.members),
+        bytes=barrier.bytes,
         evicted=barrier.evicted,
         finished_at=rfc3339(now, milliseconds=True),
         error=error,
@@ -528,3 +529,9 @@ def interrupt(barrier: BarrierStatus, now: dt.datetime, reason: str) -> BarrierR
 def remember(history: list[BarrierRecord], record: BarrierRecord | None) -> list[BarrierRecord]:
     """The history with ``record`` appended, keeping the newest HISTORY_LENGTH entries."""
     return history if record is None else [*history, record][-HISTORY_LENGTH:]
+
+
+def closed_since(old: list[BarrierRecord], new: list[BarrierRecord]) -> list[BarrierRecord]:
+    """The barriers in history ``new`` that history ``old`` did not hold: those a pass closed."""
+    known = {record.id for record in old}
+    return [record for record in new if record.id not in known]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,9 @@ from typing import Any
 import kopf
 import prometheus_client
 from kubernetes import client, config
+from opentelemetry.trace import Tracer
 
-from lockstep import keys, kueue, leader, metrics
+from lockstep import barrier, keys, kueue, leader, metrics, tracing
 from lockstep.api import RLJobStatus
 from lockstep.applier import Applied, Applier, Conflict, Outcome, Rejected
 from lockstep.events import JobKey, PassScope
@@ -52,9 +54,18 @@ class Shell:
     """Reads a job's world, reconciles it, and applies the plan: one pass, as JobSet's Reconcile (observe,
     reconcile, apply, requeue), for every request the handlers make."""
 
-    def __init__(self, api_client: client.ApiClient, backoff_base_seconds: float = 10.0, kueue: bool = False) -> None:
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        backoff_base_seconds: float = 10.0,
+        kueue: bool = False,
+        tracer: Tracer | None = None,
+        trainer_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.tracer = tracer
+        """Where each closed barrier's trace goes (lockstep.tracing); None: nowhere."""
         self.kube = KubeClient(api_client)
-        self.world = World(self.kube, backoff_base_seconds, kueue)
+        self.world = World(self.kube, backoff_base_seconds, kueue, trainer_env)
         pod_writers = ThreadPoolExecutor(max_workers=POD_WRITERS, thread_name_prefix="pod-writer")
         self.applier = Applier(self.kube, self.world, pod_writers)
         self.queue = WorkQueue(self._pass)
@@ -150,6 +161,10 @@ class Shell:
         outcome = self.applier.apply(key, observed.job, plan)
         self._requeue(key, observed.job, outcome)
         metrics.record(*key, before, plan.status)
+        if self.tracer is not None:
+            for closed in barrier.closed_since(before.barrier_history, plan.status.barrier_history):
+                if (span := tracing.barrier_span(*key, closed)) is not None:
+                    tracing.emit(self.tracer, span)
 
     def _requeue(self, key: JobKey, job: dict[str, Any], outcome: Outcome) -> None:
         """Act on what the apply came to: a pass at once after a refusal or a conflict; after a written status, the
@@ -194,7 +209,11 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     configuration = client.Configuration.get_default_copy()  # main() loaded the credentials
     configuration.connection_pool_maxsize = POD_WRITERS + 4  # the pod writers, plus the reconcile passes
     _shell = Shell(
-        client.ApiClient(configuration), backoff_base_seconds=_options.restart_backoff_seconds, kueue=_options.kueue
+        client.ApiClient(configuration),
+        backoff_base_seconds=_options.restart_backoff_seconds,
+        kueue=_options.kueue,
+        tracer=tracing.tracer(os.environ, tracing.OPERATOR_SERVICE),
+        trainer_env=tracing.forwarded(os.environ),
     )
     # The pods this operator created: one watch of its own (lockstep.podwatch), filtered by the API server.
     pods = PodWatch(

@@ -159,6 +159,7 @@ def pod_config(spec: RLJobSpec, config: EffectiveConfig) -> PodConfig:
             **{key: value for key, value in config.document().items() if key != "lora"},
             "mismatchBudget": config.mismatch_budget,
             "training": spec.trainer.training(),
+            "output": spec.output,
         }
     )
 
@@ -219,11 +220,15 @@ def network_policy(job: JobRef, spec: RLJobSpec) -> dict[str, Any]:
 
 
 def pods(
-    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, placements: Placements | None = None
+    job: JobRef,
+    spec: RLJobSpec,
+    config: EffectiveConfig,
+    placements: Placements | None = None,
+    trainer_env: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every pod the job should have, actors first."""
+    """Every pod the job should have, actors first; ``trainer_env``: the trainers' environment defaults."""
     actors = [actor_pod(job, spec, config, index, placements) for index in range(spec.actors.replicas)]
-    trainers = [trainer_pod(job, spec, config, rank, placements) for rank in range(spec.trainer.replicas)]
+    trainers = [trainer_pod(job, spec, config, rank, placements, trainer_env) for rank in range(spec.trainer.replicas)]
     return actors + trainers
 
 
@@ -290,8 +295,15 @@ def weights_origin(job: JobRef, collective: bool) -> WeightsOrigin:
 
 
 def trainer_pod(
-    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, rank: int, placements: Placements | None = None
+    job: JobRef,
+    spec: RLJobSpec,
+    config: EffectiveConfig,
+    rank: int,
+    placements: Placements | None = None,
+    defaults: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
+    """Trainer ``rank``'s pod; ``defaults``: environment defaults beside WORKER_ENV (the operator's OTLP endpoint),
+    which spec.trainer.env may replace."""
     master = trainer_host(job)
     ports = [
         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
@@ -332,7 +344,17 @@ def trainer_pod(
     placement = _placement(placements, keys.TRAINER)
     training = spec.trainer.training()
     return _pod(
-        job, spec, spec.trainer, config, keys.TRAINER, rank, container, placement, hostname=hostname, reads=training
+        job,
+        spec,
+        spec.trainer,
+        config,
+        keys.TRAINER,
+        rank,
+        container,
+        placement,
+        hostname=hostname,
+        reads=training,
+        defaults=defaults,
     )
 
 
@@ -347,9 +369,11 @@ def _pod(
     placement: Placement,
     hostname: str | None,
     reads: Training | None = None,
+    defaults: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The pod of ``role``; its template hash covers its spec and what it ``reads`` of the PodConfig that the
-    fingerprint does not cover (the trainer: its training settings), so that a change of either replaces it."""
+    """The pod of ``role``, its environment defaulting to WORKER_ENV and ``defaults``; its template hash covers its
+    spec and what it ``reads`` of the PodConfig that the fingerprint does not cover (the trainer: its training
+    settings and spec.output), so that a change of either replaces it."""
     name = pod_name(job.name, role, index)
     env = [
         *container.pop("env", []),
@@ -375,7 +399,11 @@ def _pod(
         env.append({"name": environment.SHARED_DIR, "value": shared_dir(job)})
     own_env = [variable.model_dump(by_alias=True, exclude_none=True) for variable in overrides.env or []]
     own_names = {variable["name"] for variable in own_env}
-    env += [{"name": name, "value": value} for name, value in WORKER_ENV.items() if name not in own_names]
+    env += [
+        {"name": name, "value": value}
+        for name, value in {**WORKER_ENV, **(defaults or {})}.items()
+        if name not in own_names
+    ]
     container = {
         **container,
         "env": [*env, *own_env],
@@ -413,7 +441,11 @@ def _pod(
             pod_spec[key] = value
     metadata = job.metadata(name, role)
     metadata["labels"][keys.INDEX] = str(index)
-    template = pod_spec if reads is None else {"spec": pod_spec, "reads": reads.model_dump(mode="json", by_alias=True)}
+    template: dict[str, Any] = pod_spec
+    if reads is not None:
+        template = {"spec": pod_spec, "reads": reads.model_dump(mode="json", by_alias=True)}
+        if spec.output is not None:  # the trainer writes there; unset, the hash stays what it was without it
+            template["output"] = spec.output.model_dump(mode="json", by_alias=True)
     metadata["annotations"] = {keys.CONFIG_FINGERPRINT: config.fingerprint, keys.TEMPLATE_HASH: _hash(template)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 

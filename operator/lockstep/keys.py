@@ -22,6 +22,7 @@ BARRIER_ACK = f"{DOMAIN}/barrier-ack"  # on member pods, by that pod only
 # Train-inference parity, as the trainer measured it on its last step.
 MISMATCH = f"{DOMAIN}/mismatch"  # on trainer rank 0, by the trainer
 EVALUATION = f"{DOMAIN}/evaluation"  # on trainer rank 0, by the trainer: its last evaluation (spec.trainer.eval)
+OUTPUT = f"{DOMAIN}/output"  # on trainer rank 0, by the trainer: the trained model it wrote last (spec.output)
 PREFLIGHT = f"{DOMAIN}/preflight"  # on the preflight pod, by that pod: the parity it measured
 
 ACTOR = "actor"

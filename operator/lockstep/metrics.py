@@ -6,6 +6,7 @@ import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from lockstep import barrier
 from lockstep.api import BarrierRecord, Phase, RLJobStatus
 
 RECONCILE_SECONDS = Histogram("lockstep_reconcile_duration_seconds", "Time of one reconcile pass of an RLJob.")
@@ -36,8 +37,7 @@ def record(namespace: str, name: str, old: RLJobStatus, new: RLJobStatus) -> Non
     PARITY_LOCKED.labels(namespace, name).set(1 if parity is not None and parity.status.value == "True" else 0)
     if new.lag is not None:
         WEIGHTS_LAG.labels(namespace, name).set(new.lag)
-    known = {r.id for r in old.barrier_history}
-    for closed in (r for r in new.barrier_history if r.id not in known):
+    for closed in barrier.closed_since(old.barrier_history, new.barrier_history):
         _barrier(closed)
 
 

@@ -18,7 +18,15 @@ from typing import get_args, get_origin
 from pydantic import Field, ValidationError
 
 from lockstep import environment
-from lockstep.api import MismatchBudget, ModelSource, TrainerNumerics, Training, VllmSettings, WeightUpdateSemantics
+from lockstep.api import (
+    MismatchBudget,
+    ModelSource,
+    Output,
+    TrainerNumerics,
+    Training,
+    VllmSettings,
+    WeightUpdateSemantics,
+)
 from lockstep.schema import Model
 
 
@@ -41,6 +49,7 @@ class PodConfig(Model):
         description="the policy's budget; not part of the fingerprint: changing it changes no pod"
     )
     training: Training = Field(description="spec.trainer's training fields: what the trainer runs")
+    output: Output | None = Field(None, description="spec.output: where the trainer writes the trained model")
 
     def text(self) -> str:
         """The ConfigMap's JSON, read by ``load_pod_config`` (unset fields left out)."""

@@ -127,6 +127,25 @@ class EvalResult(Model):
     rows: Count = Field(description="how many eval rows were sampled")
 
 
+class OutputResult(Model):
+    """``lockstep.dev/output``: the trained model the trainer wrote last (spec.output), as a Hugging Face directory."""
+
+    protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
+    path: str = Field(description="the directory written, in the trainer pod: spec.output.path/v<version, 6 digits>")
+    version: Count = Field(description="the weights version written")
+    step: Count = Field(description="the trainer step that published that version")
+    eval_reward: Number | None = Field(
+        None,
+        description="the reward of the last evaluation before the write (spec.trainer.eval); none when no evaluation "
+        "ran. An evaluation measures the version its step starts from: evalVersion says which",
+    )
+    eval_version: Count | None = Field(None, description="the weights version that evaluation measured")
+    digest: str = Field(
+        description="sha256:<hex> over the directory: each file's path and sha256, one line each, sorted "
+        "(lockstep_workers.export.directory_digest)"
+    )
+
+
 class PreflightResult(Model):
     """``lockstep.dev/preflight``: what the preflight pod measured under the job's effective configuration."""
 
@@ -153,10 +172,10 @@ class PreflightResult(Model):
 ACK_FOR = {BarrierPhase.PAUSE: "Paused", BarrierPhase.UPDATE: "Updated", BarrierPhase.RESUME: "Resumed"}
 """The ack that answers each phase's command."""
 
-DocumentT = TypeVar("DocumentT", Weights, Command, Ack, Mismatch, EvalResult, PreflightResult)
+DocumentT = TypeVar("DocumentT", Weights, Command, Ack, Mismatch, EvalResult, OutputResult, PreflightResult)
 
 
-def document(value: Weights | Command | Ack | Mismatch | EvalResult | PreflightResult) -> str:
+def document(value: Weights | Command | Ack | Mismatch | EvalResult | OutputResult | PreflightResult) -> str:
     """The annotation text of a protocol document."""
     return json.dumps(value.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
 

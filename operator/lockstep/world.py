@@ -17,6 +17,7 @@ import datetime as dt
 import itertools
 import json
 import threading
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Protocol
 
@@ -59,8 +60,16 @@ class Unobserved(Enum):
 class World:
     """The caches a pass reads, each guarded by one lock that no call to the API server is made under."""
 
-    def __init__(self, client: WorldClient, backoff_base_seconds: float = 10.0, kueue: bool = False) -> None:
+    def __init__(
+        self,
+        client: WorldClient,
+        backoff_base_seconds: float = 10.0,
+        kueue: bool = False,
+        trainer_env: Mapping[str, str] | None = None,
+    ) -> None:
         self._client = client
+        self.trainer_env = dict(trainer_env or {})
+        """Environment defaults of the trainer pods from the operator's own (lockstep.tracing.forwarded)."""
         self.backoff_base_seconds = backoff_base_seconds
         self.kueue = kueue
         """Whether Kueue manages the jobs labelled kueue.x-k8s.io/queue-name (--kueue): a pass reads their Workloads."""
@@ -108,7 +117,9 @@ class World:
         queue = self._kueue_view(job) if self.kueue else None  # a barrier pass may hand over to the whole pipeline
         with self._guard:
             taken = dict(self._taken.get(key, {}))
-        return Observed(job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope, taken)
+        return Observed(
+            job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope, taken, self.trainer_env
+        )
 
     def _job(self, key: JobKey) -> dict[str, Any] | None:
         """The job as last seen (watched, or as the operator wrote it), or read; None when it is gone."""

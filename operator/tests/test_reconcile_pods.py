@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from factories import NOW, REWARD, job, policy, running
-from lockstep import keys
+from lockstep import keys, tracing
 from lockstep.api import Phase
 from lockstep.conditions import PARITY_LOCKED, READY, find
 from lockstep.reconcile import Observed, reconcile
@@ -47,6 +49,25 @@ def test_trainer_pods_get_the_torch_distributed_environment() -> None:
     assert {e["WORLD_SIZE"] for e in env} == {"2"}
     assert {e["MASTER_ADDR"] for e in env} == {"demo-trainer-0.demo-trainer.team-a.svc"}
     assert trainers[1]["spec"]["subdomain"] == "demo-trainer"
+
+
+def test_the_operators_otlp_endpoint_reaches_the_trainers_and_a_jobs_own_replaces_it() -> None:
+    operator_env = tracing.forwarded({tracing.ENDPOINT: "http://collector:4318", tracing.SERVICE: "lockstep-operator"})
+    assert operator_env == {tracing.ENDPOINT: "http://collector:4318"}, "the trainers name their own service"
+
+    def environments(body: dict[str, Any]) -> dict[str, dict[str, str | None]]:
+        plan = reconcile(Observed(body, [], [policy()], {}, NOW, trainer_env=operator_env))
+        return {
+            p["metadata"]["labels"][keys.ROLE]: {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+            for p in plan.create_pods
+        }
+
+    default = environments(job())
+    assert default[keys.TRAINER][tracing.ENDPOINT] == "http://collector:4318"
+    assert tracing.ENDPOINT not in default[keys.ACTOR]
+    own = [{"name": tracing.ENDPOINT, "value": "http://mine:4318"}]
+    mine = environments(job(trainer={"image": "t", "reward": REWARD, "env": own}))
+    assert mine[keys.TRAINER][tracing.ENDPOINT] == "http://mine:4318"
 
 
 def test_a_pod_with_another_fingerprint_is_drift_and_replaced() -> None:

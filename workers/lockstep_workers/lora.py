@@ -12,8 +12,9 @@ zero: the same function).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,3 +159,22 @@ def inject(causal_lm: torch.nn.Module, config: LoraConfig) -> None:
         raise RuntimeError("PEFT wrapped a copy of the model instead of injecting its adapter in place")
     if config.lora_dropout:
         causal_lm.train()
+
+
+@contextlib.contextmanager
+def base_only(causal_lm: torch.nn.Module) -> Iterator[None]:
+    """Within: ``causal_lm`` computes as its base model, every LoRA layer's adapter disabled (what PeftModel's
+    disable_adapter does, on the model the adapter was injected into); the reference policy of a LoRA job's KL term.
+    Raises ValueError on a model without an adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in causal_lm.modules() if isinstance(module, BaseTunerLayer)]
+    if not layers:
+        raise ValueError("the model has no LoRA adapter to disable: its reference policy needs spec.trainer.lora")
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)

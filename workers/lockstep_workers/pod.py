@@ -19,7 +19,7 @@ from prometheus_client import Gauge, Histogram
 from lockstep import environment, keys
 from lockstep.api import BudgetMetric, WeightSyncBackend
 from lockstep.podconfig import PodConfig, load_pod_config
-from lockstep.protocol import EvalResult, Mismatch, Weights, document
+from lockstep.protocol import EvalResult, Mismatch, OutputResult, Weights, document
 from lockstep_workers.checkpoint import checkpoints_directory
 from lockstep_workers.objective import ONPOLICY_MISMATCH
 from lockstep_workers.scoring import RewardInput
@@ -28,6 +28,7 @@ from lockstep_workers.weights import weights_directory
 
 if TYPE_CHECKING:
     from lockstep_workers.agent import AgentCore
+    from lockstep_workers.tracking import TensorBoardRun
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -63,7 +64,17 @@ STEP_METRICS = (
     "rollout_actor_probs_pearson_corr",
     "zero_advantage_groups",
     "zero_advantage_group_fraction",
+    "dropped_groups",
+    "extra_groups",
+    "unfilled_groups",
+    "truncated_fraction",
+    "overlong_penalty",
     "loss",
+    "entropy_bonus",
+    "kl_ref",
+    "kl_loss",
+    "grad_norm",
+    "learning_rate",
     "publish_gather_seconds",
     "publish_wait_seconds",
     "publish_seconds",
@@ -83,7 +94,10 @@ trainer's path, ``publish_seconds``, the background write, hash, flush and renam
 of the step went (lockstep_workers.pipeline): ``learn_seconds``, learning; ``rollout_wait_seconds``, waiting for
 the step's groups; the tokens the actors generated and the step learned per second since the previous step; how
 many learned sequences span weights versions; and ``actor_busy_fraction``, the actors' mean share of that time with
-a request in progress, by their own count (only when they report it)."""
+a request in progress, by their own count (only when they report it). With dynamic sampling
+(spec.trainer.rollout.dynamicSampling, and only then): ``dropped_groups``, ``extra_groups`` and ``unfilled_groups``
+(lockstep_workers.pipeline.StepGroups). ``truncated_fraction``, the share of the step's completions cut at maxTokens,
+and with spec.trainer.rollout.overlong's penalty ``overlong_penalty``, its mean (lockstep_workers.shaping)."""
 GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
 LAG_PREFIX, LAG_SUFFIX = "lag_", "_sequences"
 """A step's ``lag_<n>_sequences``: how many of its sequences' oldest tokens are n versions behind its weights."""
@@ -92,6 +106,10 @@ STALENESS = Histogram(
     "How many versions each learned sequence's oldest token is behind the weights it is learned with.",
     buckets=(0, 1, 2, 3, 4, 8, 16),
 )
+REWARD_PART_PREFIX = "rewards/"
+"""A step's ``rewards/<name>``: one of spec.trainer.rewards' functions' own mean over the step's completions, before
+its weight (also the gauge ``lockstep_trainer_reward_part{name="<name>"}``)."""
+REWARD_PARTS = Gauge("lockstep_trainer_reward_part", "The last step's mean reward of each reward function.", ["name"])
 EVAL_REWARD = "eval_reward"
 """The metric of the steps that evaluate first (spec.trainer.eval): the mean reward of greedy completions of the
 eval split under the weights the step starts from (version step - 1)."""
@@ -191,6 +209,13 @@ def announce(
     pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
 
 
+def report_output(output: OutputResult, namespace: str, pod: str) -> None:
+    """Write ``lockstep.dev/output`` on this trainer pod: the model it wrote last (spec.output)."""
+    from lockstep_workers.agent import pod_api
+
+    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {keys.OUTPUT: document(output)}}})
+
+
 def step_reports(step: int, metrics: Mapping[str, float]) -> tuple[Mismatch | None, EvalResult | None]:
     """What trainer rank 0 reports of ``step`` (lockstep.dev/mismatch, lockstep.dev/evaluation), from its metrics,
     never a number the wire documents refuse: no mismatch for a step that measured none (no token sampled under the
@@ -232,12 +257,21 @@ def committed_weights(env: PodEnvironment) -> Weights | None:
     return initial_weights(pod_api(), env.namespace, env.pod)
 
 
-def record(env: PodEnvironment, step: int, seconds: float, metrics: Mapping[str, float]) -> None:
-    """Append the step to metrics.jsonl and set its gauges; the on-policy mismatch of a step that measured none is
-    null there and NaN in its gauge."""
+def record(
+    env: PodEnvironment,
+    step: int,
+    seconds: float,
+    metrics: Mapping[str, float],
+    tensorboard: TensorBoardRun | None = None,
+) -> None:
+    """Append the step to metrics.jsonl (and log the same line to ``tensorboard``, spec.trainer.tracking) and set
+    its gauges; the on-policy mismatch of a step that measured none is null there (left out of TensorBoard) and NaN
+    in its gauge."""
     line = {"step": step, "version": step, "seconds": round(seconds, 3), ONPOLICY_MISMATCH: None, **metrics}
     with env.metrics_file.open("a") as stream:
         stream.write(json.dumps(line) + "\n")
+    if tensorboard is not None:
+        tensorboard.log(step, line)
     for name, gauge in GAUGES.items():
         if name in metrics:
             gauge.set(metrics[name])
@@ -247,6 +281,8 @@ def record(env: PodEnvironment, step: int, seconds: float, metrics: Mapping[str,
         if name.startswith(LAG_PREFIX) and name.endswith(LAG_SUFFIX):
             for _ in range(int(value)):
                 STALENESS.observe(int(name.removeprefix(LAG_PREFIX).removesuffix(LAG_SUFFIX)))
+        if name.startswith(REWARD_PART_PREFIX):
+            REWARD_PARTS.labels(name=name.removeprefix(REWARD_PART_PREFIX)).set(value)
     if EVAL_REWARD in metrics:
         EVAL_GAUGE.set(metrics[EVAL_REWARD])
     PUBLISHED.set(step)

@@ -33,9 +33,9 @@ class Family:
 
     name: str
     architecture: str
-    """The ``architectures`` entry of its config.json (what vLLM and the actor dispatch on)."""
+    """The ``architectures`` entry of its config.json (what vLLM and the actor dispatch on), which is also its
+    transformers model class."""
     config_class: str
-    model_class: str
     features: str
     """What sets it apart, in words (docs/models.md)."""
     fields: dict[str, Any] = field(default_factory=dict)
@@ -46,22 +46,20 @@ class Family:
 _ATTENTION = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": HEAD_DIM}
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", "LlamaForCausalLM", "LlamaConfig", "LlamaForCausalLM", "untied head", _ATTENTION),
+    Family("llama", "LlamaForCausalLM", "LlamaConfig", "untied head", _ATTENTION),
     Family(
         "llama-tied",
         "LlamaForCausalLM",
         "LlamaConfig",
-        "LlamaForCausalLM",
         "head tied to the embeddings",
         _ATTENTION,
         tied=True,
     ),
-    Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "Qwen2ForCausalLM", "q/k/v biases", _ATTENTION),
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "q/k/v biases", _ATTENTION),
     Family(
         "qwen3",
         "Qwen3ForCausalLM",
         "Qwen3Config",
-        "Qwen3ForCausalLM",
         "q/k RMS norms, tied head",
         _ATTENTION,
         tied=True,
@@ -70,7 +68,6 @@ FAMILIES: tuple[Family, ...] = (
         "gemma2",
         "Gemma2ForCausalLM",
         "Gemma2Config",
-        "Gemma2ForCausalLM",
         "final logit soft-capping (0.5: a tiny tied head's logits are under 1, far below Gemma 2's 30), attention "
         "soft-capping 50, scaled embeddings, (1 + w) norms, sliding window 32 on every other layer, tied head",
         {**_ATTENTION, "query_pre_attn_scalar": HEAD_DIM, "sliding_window": 32, "final_logit_softcapping": 0.5},
@@ -80,7 +77,6 @@ FAMILIES: tuple[Family, ...] = (
         "gemma3",
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
         "q/k norms, scaled embeddings, (1 + w) norms, sliding window 32 with its own RoPE base, tied head",
         {
             **_ATTENTION,
@@ -90,12 +86,11 @@ FAMILIES: tuple[Family, ...] = (
         },
         tied=True,
     ),
-    Family("mistral", "MistralForCausalLM", "MistralConfig", "MistralForCausalLM", "untied head", _ATTENTION),
+    Family("mistral", "MistralForCausalLM", "MistralConfig", "untied head", _ATTENTION),
     Family(
         "phi3",
         "Phi3ForCausalLM",
         "Phi3Config",
-        "Phi3ForCausalLM",
         "fused qkv_proj and gate_up_proj in the checkpoint",
         {"num_attention_heads": 2, "num_key_value_heads": 1},
     ),
@@ -103,7 +98,6 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3-moe",
         "Qwen3MoeForCausalLM",
         "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
         "4 experts, top-2, q/k norms",
         {**_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
         mixture_of_experts=True,
@@ -112,7 +106,6 @@ FAMILIES: tuple[Family, ...] = (
         "mixtral",
         "MixtralForCausalLM",
         "MixtralConfig",
-        "MixtralForCausalLM",
         "4 experts, top-2",
         {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2},
         mixture_of_experts=True,
@@ -150,7 +143,7 @@ def create_tiny_model(family: Family, directory: Path, *, seed: int = 0, dtype: 
         **special,
         **family.fields,
     )
-    model = getattr(transformers, family.model_class)(config)
+    model = getattr(transformers, family.architecture)(config)
     if not family.tied:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(HEAD_SCALE)

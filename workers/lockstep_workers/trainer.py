@@ -12,7 +12,9 @@ actors through learning, publishing and weight updates, within spec.trainer.maxL
 as they are finished and scored. The full
 weights, gathered from the shards, are published under $LOCKSTEP_SHARED_DIR/weights and announced on rank 0's pod (the
 operator runs the barrier) in the background, while the next step runs; the step's metrics go to
-$LOCKSTEP_SHARED_DIR/metrics.jsonl and to Prometheus (lockstep_workers.pod). Every spec.trainer.checkpointEverySteps the
+$LOCKSTEP_SHARED_DIR/metrics.jsonl and to Prometheus (lockstep_workers.pod), and with spec.trainer.tracking to
+TensorBoard (lockstep_workers.tracking); with spec.output rank 0 writes the model, servable (lockstep_workers.export),
+at the end and every spec.output.everySteps. Every spec.trainer.checkpointEverySteps the
 ranks save their shards (lockstep_workers.checkpoint). With a collective backend ($LOCKSTEP_WEIGHT_SYNC nccl or gloo)
 rank 0 also serves each version's manifest and sends the weights itself, as a member of each barrier
 (lockstep_workers.transfer). Rollouts of the next step are sampled while the actors take the update in flight; each
@@ -38,33 +40,38 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from opentelemetry.trace import Tracer
 from prometheus_client import start_http_server
 
-from lockstep import environment
-from lockstep.api import DType, MismatchBudget, TrainerNumerics, Training
+from lockstep import environment, tracing
+from lockstep.api import DType, MismatchBudget, Output, RolloutSettings, TrainerNumerics, Training
 from lockstep.podconfig import PodConfig
-from lockstep.protocol import Weights
-from lockstep_workers import checkpoint, lora, sharding
+from lockstep.protocol import OutputResult, Weights
+from lockstep_workers import checkpoint, export, lora, optimization, sharding, traces
 from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
 from lockstep_workers.episodes import RolloutFunction, single_turn
 from lockstep_workers.learner import Policy, Rollout, across_ranks, lag_of, learn
 from lockstep_workers.objective import ONPOLICY_MISMATCH
-from lockstep_workers.pipeline import Group, RolloutProducer, Schedule
+from lockstep_workers.pipeline import Group, RolloutProducer, Schedule, StepGroups
 from lockstep_workers.pod import (
     EVAL_REWARD,
     EVAL_ROWS,
     LAG_PREFIX,
     LAG_SUFFIX,
+    REWARD_PART_PREFIX,
     PodEnvironment,
     Sending,
     announce,
     committed_weights,
     record,
     record_rollouts,
+    report_output,
     step_reports,
 )
 from lockstep_workers.rollouts import Actors, ActorService, discovery
-from lockstep_workers.scoring import RewardInput, Scorer, load_callable
+from lockstep_workers.scoring import RewardInput, Scorer, Scores, load_callable
+from lockstep_workers.shaping import masked_if_cut, overlong_metrics, penalties
+from lockstep_workers.tracking import TensorBoardRun
 from lockstep_workers.transfer import manifest_uri
 from lockstep_workers.weights import (
     Publisher,
@@ -177,7 +184,7 @@ class TrainedModel:
 def build(model_path: str, settings: Training, config: PodConfig | None, mesh: Any) -> TrainedModel:
     """Every rank: the model at ``model_path`` in fp32, with spec.trainer.lora's adapter injected (PEFT) when set,
     sharded over ``mesh`` (lockstep_workers.sharding) with the job's numerics (``config``; outside an RLJob's pod the
-    policy defaults, in the checkpoint's dtype), and an Adam optimizer of the parameters that train. A LoRA setting
+    policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. A LoRA setting
     that does not fit the model stops the trainer (SystemExit) with the reason."""
     from transformers import AutoModelForCausalLM
 
@@ -198,7 +205,7 @@ def build(model_path: str, settings: Training, config: PodConfig | None, mesh: A
         activation_checkpointing=settings.activation_checkpointing,
     )
     trains = [parameter for parameter in policy.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.Adam(trains, lr=settings.objective.learning_rate)
+    optimizer = optimization.adamw(trains, settings.objective)
     return TrainedModel(causal_lm, policy, optimizer, adapter)
 
 
@@ -290,7 +297,7 @@ class Prompts:
         """The prompts of the steps whose positions are being sampled (a step's are made together)."""
 
     def step(self, step: int) -> list[Prompt]:
-        count = self.settings.rollout.prompts_per_step
+        count = self.settings.rollout.prompts_drawn_per_step
         if self.dataset is not None:
             return self.dataset.step_prompts(step, count)
         token_ids = self.source(step, count, self.settings.seed)
@@ -298,8 +305,8 @@ class Prompts:
 
     def at(self, position: int) -> Prompt:
         """The prompt at ``position`` in the job's sequence (lockstep_workers.pipeline): step position // count + 1's
-        prompt position % count."""
-        count = self.settings.rollout.prompts_per_step
+        prompt position % count, ``count`` the prompts each step draws."""
+        count = self.settings.rollout.prompts_drawn_per_step
         step = position // count + 1
         if step not in self._steps:
             # Keep the step before (its dropped groups may be sampled again); an evicted step's are made again.
@@ -328,17 +335,20 @@ def evaluate(producer: RolloutProducer, prompts: Prompts, scorer: Scorer, max_to
     and how many rows."""
     evaluated = prompts.evaluation()
     sampled = producer.evaluate([p.token_ids for p in evaluated], {**GREEDY, "max_tokens": max_tokens})
-    rewards, _ = scorer.scores(prompts.reward_inputs(sampled, evaluated))
+    rewards = scorer.scores(prompts.reward_inputs(sampled, evaluated)).rewards
     return {EVAL_REWARD: sum(rewards) / len(rewards), EVAL_ROWS: float(len(rewards))}
 
 
 def score_group(
-    prompts: Prompts, scorer: Scorer, rollouts: list[Rollout], prompt: Prompt
-) -> tuple[list[RewardInput], list[float], int]:
-    """The reward of one prompt's samples (``rollouts``, of group 0), what it saw of them, and how many it raised on."""
+    prompts: Prompts, scorer: Scorer, rollout: RolloutSettings, rollouts: list[Rollout], prompt: Prompt
+) -> tuple[list[RewardInput], Scores]:
+    """What the reward saw of one prompt's samples (``rollouts``, of group 0) and their rewards, each with its
+    overlong penalty (spec.trainer.rollout.overlong) added."""
     inputs = prompts.reward_inputs(rollouts, [prompt])
-    rewards, errors = scorer.scores(inputs)
-    return inputs, rewards, errors
+    scores = scorer.scores(inputs)
+    penalised = penalties(rollouts, rollout.max_tokens, rollout.overlong)
+    rewards = [reward + penalty for reward, penalty in zip(scores.rewards, penalised, strict=True)]
+    return inputs, replace(scores, rewards=rewards)
 
 
 def batch_of(groups: Sequence[Group]) -> tuple[list[Rollout], list[RewardInput], list[float], int]:
@@ -347,6 +357,27 @@ def batch_of(groups: Sequence[Group]) -> tuple[list[Rollout], list[RewardInput],
     inputs = [sample for group in groups for sample in group.inputs]
     rewards = [reward for group in groups for reward in group.rewards]
     return rollouts, inputs, rewards, sum(group.reward_errors for group in groups)
+
+
+def dynamic_sampling_metrics(taken: StepGroups) -> dict[str, float]:
+    """What dynamic sampling cost a step (spec.trainer.rollout.dynamicSampling): the groups it dropped for equal
+    rewards, those it sampled beyond promptsPerStep, and those without signal it learned because its extra groups
+    ran out."""
+    return {
+        "dropped_groups": float(taken.dropped),
+        "extra_groups": float(taken.extra),
+        "unfilled_groups": float(taken.unfilled),
+    }
+
+
+def reward_part_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Each reward function's mean reward over the step's completions, before its weight, as rewards/<name>."""
+    names = groups[0].reward_parts
+    return {
+        f"{REWARD_PART_PREFIX}{name}": sum(sum(g.reward_parts[name]) for g in groups)
+        / sum(len(g.rewards) for g in groups)
+        for name in names
+    }
 
 
 def pipeline_metrics(
@@ -383,6 +414,11 @@ def train(model_path: str, settings: Training, env: PodEnvironment, actors: Acto
             f"{environment.SHARED_DIR} is not set: the operator sets it to the directory for the job's weights and "
             "metrics; run the trainer as the operator renders it"
         )
+    if settings.objective.kl_coefficient and settings.lora is None:
+        raise SystemExit(
+            "spec.trainer.objective.klCoefficient needs spec.trainer.lora: the reference policy is the base model with "
+            "the adapter disabled; a full fine-tuning job's frozen reference copy is not implemented"
+        )
     if settings.lora is not None and env.weight_sync.collective:
         raise SystemExit(
             f"spec.trainer.lora needs spec.weightSync.backend filesystem, not {env.weight_sync.value}: each version "
@@ -393,7 +429,7 @@ def train(model_path: str, settings: Training, env: PodEnvironment, actors: Acto
         return
     # Rank 0: fork the reward's processes before any thread starts; stop them however training ends.
     env.shared_dir.mkdir(parents=True, exist_ok=True)
-    with Scorer(settings.reward, settings.on_reward_error, settings.reward_processes) as scorer:
+    with Scorer(settings.reward_functions(), settings.on_reward_error, settings.reward_processes) as scorer:
         _train(model_path, settings, env, actors, scorer)
 
 
@@ -410,6 +446,7 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     budget = (config.mismatch_budget if config is not None else MismatchBudget()).mean_abs_logprob_diff
     model = build(model_path, settings, config, mesh)
     resumed = restore(env, model)
+    learning_rates = optimization.scheduler(model.optimizer, settings.objective, settings.steps, resumed.first_step)
     rollout = settings.rollout
     sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
 
@@ -417,9 +454,15 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     # the rollout producer from the first position of the first step.
     sending: Sending | None = None
     producer: RolloutProducer | None = None
+    tensorboard: TensorBoardRun | None = None
+    tracer: Tracer | None = None
     if leader:
+        tracer = tracing.tracer(os.environ, traces.TRAINER_SERVICE)
         if env.metrics_port:
             start_http_server(env.metrics_port)
+        if settings.tracking.tensorboard:
+            assert env.shared_dir is not None
+            tensorboard = TensorBoardRun(env.shared_dir, resumed.first_step, config)
         if env.weight_sync.collective:
             sending = Sending(env)
         if resumed.announce_again is not None and env.pod and env.namespace:
@@ -427,23 +470,39 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             announce(_as_announced(env, resumed.announce_again), env.namespace, env.pod)
         actors.wait_until_ready()
         assert prompts is not None and scorer is not None
-        count = rollout.prompts_per_step
+        count = rollout.prompts_drawn_per_step
         schedule = Schedule(
-            count,
+            rollout.prompts_per_step,
             settings.max_lag,
             rollout.in_flight,
             (resumed.first_step - 1) * count,
             settings.steps * count,
             on_policy_groups=rollout.on_policy_groups,
+            extra_groups=rollout.extra_groups,
         )
-        score = functools.partial(score_group, prompts, scorer)
+        score = functools.partial(score_group, prompts, scorer, rollout)
         producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)
         producer.start()
     try:
-        _steps(settings, env, resumed.first_step, producer, prompts, scorer, model, budget)
+        _steps(
+            settings,
+            env,
+            resumed.first_step,
+            producer,
+            prompts,
+            scorer,
+            model,
+            learning_rates,
+            budget,
+            model_path,
+            tensorboard,
+            tracer,
+        )
     finally:
         if producer is not None:
             producer.close()
+        if tensorboard is not None:
+            tensorboard.close()
     if sending is not None:
         logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
         actors.wait_for_version(settings.steps)
@@ -459,9 +518,15 @@ def _steps(
     prompts: Prompts | None,
     scorer: Scorer | None,
     model: TrainedModel,
+    learning_rates: torch.optim.lr_scheduler.LRScheduler,
     budget: float,
+    model_path: str,
+    tensorboard: TensorBoardRun | None = None,
+    tracer: Tracer | None = None,
 ) -> None:
-    """The steps from ``first_step``, on every rank; rank 0 (with the ``producer``) takes, publishes, records."""
+    """The steps from ``first_step``, on every rank (``learning_rates`` at ``first_step``'s rate); rank 0 (with the
+    ``producer``) takes, publishes, records (also to ``tensorboard``, and each step's trace to ``tracer``), and
+    writes spec.output when due."""
     rollout = settings.rollout
     every = settings.eval.every_steps
     device = sharding.accelerator(env.local_rank)
@@ -470,8 +535,11 @@ def _steps(
     handed_over = time.monotonic()  # when rank 0 handed over the previous step's publish
     busy = producer.busy_seconds() if producer is not None else {}
     generated = 0
+    output = env.config.output if env.config is not None else None
+    last_evaluation: tuple[int, float] | None = None  # rank 0: (the version evaluated, its eval reward)
     for step in range(first_step, settings.steps + 1):
         started = time.monotonic()
+        epoch = time.time() - started  # monotonic → seconds since the epoch, for the step's trace
 
         # Evaluate (rank 0, when due): once the actors serve the weights this step starts from, beside the
         # training requests. Take (rank 0) this step's promptsPerStep groups of samplesPerPrompt completions,
@@ -484,17 +552,23 @@ def _steps(
                 waited += publisher.wait_for(step - 1)
                 producer.actors.wait_for_version(step - 1)
                 evaluation = evaluate(producer, prompts, scorer, rollout.max_tokens)
+                if EVAL_REWARD in evaluation:
+                    last_evaluation = (step - 1, evaluation[EVAL_REWARD])
             waited += publisher.wait_for(step - 1 - settings.max_lag)
             dropped = producer.counts.samples_dropped
             taking = time.monotonic()
-            sampled, inputs, scored, errors = batch_of(producer.take(step))
+            taken = producer.take(step)
+            sampled, inputs, scored, errors = batch_of(taken.groups)
             counts = {
+                **overlong_metrics(sampled, rollout.max_tokens, rollout.overlong),
                 "rollout_wait_seconds": time.monotonic() - taking,
                 "reward_errors": float(errors),
                 "stale_samples_dropped": float(producer.counts.samples_dropped - dropped),
+                **(dynamic_sampling_metrics(taken) if rollout.dynamic_sampling else {}),
+                **(reward_part_metrics(taken.groups) if settings.rewards is not None else {}),
             }
             record_rollouts(env, step, inputs, scored)
-            batch = [(sampled, scored, {**counts, **evaluation})]
+            batch = [(masked_if_cut(sampled, rollout.max_tokens, rollout.overlong), scored, {**counts, **evaluation})]
 
         # Share: every rank gets the batch, and learns from its own prompt groups.
         dist.broadcast_object_list(batch, src=0, device=device)
@@ -513,9 +587,12 @@ def _steps(
             top_p=rollout.top_p,
             version=step - 1,
             max_lag=settings.max_lag,
+            max_tokens=rollout.max_tokens,
         )
         metrics = across_ranks(metrics, device)
         metrics["learn_seconds"] = time.monotonic() - learning
+        metrics["learning_rate"] = float(learning_rates.get_last_lr()[0])
+        learning_rates.step()
         metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
         metrics.update(scoring)
 
@@ -543,8 +620,24 @@ def _steps(
                     busy_fraction(before, busy, interval),
                 )
             )
+            then = None
+            if output is not None and output_due(step, settings.steps, output.every_steps):
+                then = functools.partial(write_output, env, output, model_path, step, last_evaluation)
+            starts = {"sampling_wait": taking + epoch, "learn": learning + epoch, "gather": gathering + epoch}
+            trace = (tracer, started + epoch, starts) if tracer is not None else None
             work = functools.partial(
-                _publish_and_announce, env, settings, step, whole, model.metadata(), metrics, seconds, budget
+                _publish_and_announce,
+                env,
+                settings,
+                step,
+                whole,
+                model.metadata(),
+                metrics,
+                seconds,
+                budget,
+                then,
+                tensorboard,
+                trace,
             )
             publisher.start(step, work)
             waited = 0.0
@@ -574,9 +667,15 @@ def _publish_and_announce(
     metrics: dict[str, float],
     seconds: float,
     budget: float,
+    then: Callable[[], object] | None = None,
+    tensorboard: TensorBoardRun | None = None,
+    trace: tuple[Tracer, float, dict[str, float]] | None = None,
 ) -> None:
     """Rank 0, in the background: publish ``whole`` (its header carrying ``metadata``) as version ``step``, announce
-    it and the step's mismatch on the pod, record the step (``seconds``: its time on the trainer's path), log it."""
+    it and the step's mismatch on the pod, record the step (``seconds``: its time on the trainer's path; also to
+    ``tensorboard``, and with ``trace``, the tracer, when the step started and when its parts did, its trace), log
+    it; then run ``then`` (spec.output's write, when due)."""
+    publish_started = time.time()
     publishing = time.monotonic()
     # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
     weights = publish(whole, env.weights_dir, version=step, keep=max(3, settings.max_lag + 2), metadata=metadata)
@@ -584,7 +683,11 @@ def _publish_and_announce(
     if env.pod and env.namespace:
         mismatch, evaluation = step_reports(step, metrics)
         announce(_as_announced(env, weights), env.namespace, env.pod, mismatch, evaluation)
-    record(env, step, seconds, metrics)
+    record(env, step, seconds, metrics, tensorboard)
+    if trace is not None:
+        tracer, started, starts = trace
+        starts = {**starts, "publish": publish_started}
+        tracing.emit(tracer, traces.step_span(step, started, seconds, starts, metrics, env.pod, env.namespace))
     measured = metrics.get(ONPOLICY_MISMATCH)
     if measured is not None and measured > budget:
         logger.warning(
@@ -611,6 +714,41 @@ def _publish_and_announce(
         metrics["publish_wait_seconds"],
         metrics["publish_seconds"],
     )
+    if then is not None:
+        then()
+
+
+def output_due(step: int, steps: int, every_steps: int) -> bool:
+    """Whether spec.output is written after ``step`` of ``steps``: at the last, and every ``every_steps`` (0: never
+    before the last)."""
+    return step == steps or (every_steps > 0 and step % every_steps == 0)
+
+
+def write_output(
+    env: PodEnvironment, output: Output, model_path: str, version: int, last_evaluation: tuple[int, float] | None
+) -> OutputResult:
+    """Rank 0, once ``version`` is published: write it to spec.output (lockstep_workers.export) and report it on the
+    pod (lockstep.dev/output), with ``last_evaluation`` (the version evaluated and its eval reward), if any; return
+    the report."""
+    writing = time.monotonic()
+    path, digest = export.write_version(
+        env.weights_dir, version, model_path, Path(output.path), output.dtype, output.merged
+    )
+    evaluated, reward = last_evaluation if last_evaluation is not None else (None, None)
+    result = OutputResult(
+        path=str(path), version=version, step=version, eval_reward=reward, eval_version=evaluated, digest=digest
+    )
+    if env.pod and env.namespace:
+        report_output(result, env.namespace, env.pod)
+    logger.info(
+        "wrote weights version %d to %s in %.1fs (%s); serve it with: %s",
+        version,
+        path,
+        time.monotonic() - writing,
+        digest,
+        export.serve_command(path),
+    )
+    return result
 
 
 def _as_announced(env: PodEnvironment, weights: Weights) -> Weights:

@@ -183,7 +183,7 @@ def publish(
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(partial, final)
-    _fsync_directory(directory)
+    fsync_directory(directory)
     retained_since = time.time() - RETAIN_SECONDS
     for old in sorted(directory.glob("v*.safetensors"))[:-keep]:
         if old.stat().st_mtime < retained_since:
@@ -249,7 +249,7 @@ SAFETENSORS_DTYPES = {
 """torch's dtypes → the safetensors format's names (the one table of them; lockstep_workers.transfer reads it too)."""
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Flush ``directory``'s entries (a rename in it) to disk."""
     descriptor = os.open(directory, os.O_RDONLY)
     try:

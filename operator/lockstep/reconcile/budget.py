@@ -1,11 +1,12 @@
-"""Step: what the trainer measured. Its last evaluation goes to the status; its last parity measurement is held
-against the ParityPolicy's budget (ParityDegraded), over which a policy with onExceeded: Pause holds new weight
-updates and one with onExceeded: Fail ends the job. A report the wire documents refuse (NaN, Infinity, a number
-beyond int64, a string for a number) is ignored, the last valid one kept, and TrainerReportsValid=False names the
-annotation and the field; the job's other work goes on."""
+"""Step: what the trainer measured. Its last evaluation and the model it wrote last (spec.output) go to the status;
+its last parity measurement is held against the ParityPolicy's budget (ParityDegraded), over which a policy with
+onExceeded: Pause holds new weight updates and one with onExceeded: Fail ends the job. A report the wire documents
+refuse (NaN, Infinity, a number beyond int64, a string for a number) is ignored, the last valid one kept, and
+TrainerReportsValid=False names the annotation and the field; the job's other work goes on."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -13,7 +14,7 @@ from lockstep import keys, protocol
 from lockstep.api import BudgetAction, BudgetMetric, MismatchBudget, Phase, RLJobSpec
 from lockstep.conditions import PARITY_DEGRADED, TRAINER_REPORTS_VALID, find
 from lockstep.parity import EffectiveConfig
-from lockstep.protocol import EvalResult, Mismatch
+from lockstep.protocol import EvalResult, Mismatch, OutputResult
 from lockstep.reconcile import completion
 from lockstep.reconcile.context import Pass, annotation
 from lockstep.reconcile.reasons import Reason
@@ -32,40 +33,51 @@ REPORTED_METRICS = frozenset(metric.value for metric in BudgetMetric)
 """The metrics of a mismatch report that reach status.mismatch: those a budget may name (others are left out)."""
 
 
-def reports(run: Pass, rank0: dict[str, Any] | None) -> tuple[Mismatch | None, EvalResult | None]:
-    """The trainer's last mismatch and evaluation documents on rank 0, each None when absent or refused. A refused
-    one sets TrainerReportsValid=False, naming the annotation and the field (its transition is the Event); once
-    both are valid (or gone) it is True again."""
+@dataclass(frozen=True)
+class Reports:
+    """The trainer's last valid documents on rank 0, each None when absent or refused."""
+
+    mismatch: Mismatch | None
+    evaluation: EvalResult | None
+    output: OutputResult | None
+
+
+def reports(run: Pass, rank0: dict[str, Any] | None) -> Reports:
+    """The trainer's last mismatch, evaluation and output documents on rank 0. A refused one sets
+    TrainerReportsValid=False, naming the annotation and the field (its transition is the Event); once all are valid
+    (or gone) it is True again."""
     mismatch = protocol.read_document(annotation(rank0, keys.MISMATCH) if rank0 else None, Mismatch)
     evaluation = protocol.read_document(annotation(rank0, keys.EVALUATION) if rank0 else None, EvalResult)
-    refused = [
-        f"{key} on the trainer {problem}"
-        for key, problem in ((keys.MISMATCH, mismatch), (keys.EVALUATION, evaluation))
-        if isinstance(problem, str)
-    ]
+    output = protocol.read_document(annotation(rank0, keys.OUTPUT) if rank0 else None, OutputResult)
+    read = {keys.MISMATCH: mismatch, keys.EVALUATION: evaluation, keys.OUTPUT: output}
+    refused = [f"{key} on the trainer {problem}" for key, problem in read.items() if isinstance(problem, str)]
     if refused:
         kept = "ignored (the status keeps the last valid report) until the trainer writes a valid one"
         message = f"{'; '.join(refused)}: {kept}"
         run.condition(TRAINER_REPORTS_VALID, False, Reason.INVALID_TRAINER_REPORT, message)
-    elif mismatch is not None or evaluation is not None or find(run.status.conditions, TRAINER_REPORTS_VALID):
+    elif any(value is not None for value in read.values()) or find(run.status.conditions, TRAINER_REPORTS_VALID):
         run.condition(TRAINER_REPORTS_VALID, True, Reason.REPORTS_VALID, "the trainer's reports are valid")
-    return (
+    return Reports(
         mismatch if isinstance(mismatch, Mismatch) else None,
         evaluation if isinstance(evaluation, EvalResult) else None,
+        output if isinstance(output, OutputResult) else None,
     )
 
 
-def record_evaluation(run: Pass, rank0: dict[str, Any] | None) -> None:
-    """The trainer's last evaluation (on its pod), into status.evaluation."""
-    _, evaluated = reports(run, rank0)
-    if evaluated is not None:
-        run.status.evaluation = evaluated
+def record_results(run: Pass, rank0: dict[str, Any] | None) -> None:
+    """The trainer's last evaluation and the model it wrote last (on its pod), into status.evaluation and
+    status.output."""
+    found = reports(run, rank0)
+    if found.evaluation is not None:
+        run.status.evaluation = found.evaluation
+    if found.output is not None:
+        run.status.output = found.output
 
 
 def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, Any] | None) -> Updates:
     """Hold the trainer's last measurement against the budget: ParityDegraded, and whether a new weight update may
     open (Pause holds them); over a budget with onExceeded: Fail the job ends here, FAILED."""
-    measured, _ = reports(run, rank0)
+    measured = reports(run, rank0).mismatch
     if measured is not None and measured.token_fraction > 0:
         kept = {name: value for name, value in measured.metrics.items() if name in REPORTED_METRICS}
         run.status.mismatch = measured.model_copy(update={"metrics": kept})

@@ -46,6 +46,9 @@ class Observed:
     taken: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Pods this job would create whose name another pod has, one not labelled as this job's: name → that pod's
     metadata as the API server returned it (with its managedFields)."""
+    trainer_env: dict[str, str] = field(default_factory=dict)
+    """Environment defaults of the trainer pods from the operator's own (its OTLP endpoint, lockstep.tracing); a
+    variable of the same name in spec.trainer.env replaces the default."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def wanted(
     run: Pass, spec: RLJobSpec, config: EffectiveConfig, placements: desired.Placements | None = None
 ) -> Desired:
     return Desired(
-        {p["metadata"]["name"]: p for p in desired.pods(run.job, spec, config, placements)},
+        {p["metadata"]["name"]: p for p in desired.pods(run.job, spec, config, placements, run.observed.trainer_env)},
         desired.preflight_pod(run.job, spec, config, placements) if spec.preflight.enabled else None,
     )
 
