@@ -112,6 +112,23 @@ def build_like(model: Any, device: torch.device) -> Any:
     return copy
 
 
+def print_profile(step: Any, device: torch.device, rank: int) -> None:
+    """Run ``step`` under torch's profiler and print, on rank 0, the 25 operators that took the most device time of their own
+    (CPU time on a CPU), with their shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as profiler:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        averages = profiler.key_averages(group_by_input_shape=True)
+        print(
+            averages.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25), flush=True
+        )
+
+
 def rank_main(rank: int, world: int, port: int, options: argparse.Namespace, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if options.threads:
@@ -133,19 +150,25 @@ def rank_main(rank: int, world: int, port: int, options: argparse.Namespace, res
         rollout_correction=RolloutCorrection(upper=2.0),
     )
     vocab = model.config.vocab_size
-    times = []
-    for step in range(1, options.steps + 1):
+
+    def learn_step(step: int) -> dict[str, float]:
         batch = rollouts(step, options.prompts, options.group, options.prompt_tokens, options.completion_tokens, vocab)
         mine = [r for r in batch if r.group % world == rank]
+        rewards = [(n % 3) / 2 for n in range(len(mine))]
+        return across_ranks(learn(policy, optimizer, mine, rewards, objective, 1.0, version=step - 1), device)
+
+    times = []
+    for step in range(1, options.steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        rewards = [(n % 3) / 2 for n in range(len(mine))]
-        metrics = across_ranks(learn(policy, optimizer, mine, rewards, objective, 1.0, version=step - 1), device)
+        metrics = learn_step(step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > options.warmup:
             times.append(time.perf_counter() - started)
+    if options.profile:  # one more step, untimed
+        print_profile(lambda: learn_step(options.steps + 1), device, rank)
     result: dict[str, Any] = {}
     if rank == 0:
         sequences = options.prompts * options.group
@@ -197,6 +220,9 @@ def main() -> None:
     parser.add_argument("--gap", action="store_true", help="also measure the logprob gap to an fp32 reference")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak of a GPU not in the table")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the operators of one more step that took the most time"
+    )
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     with socket.socket() as probe:

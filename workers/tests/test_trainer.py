@@ -709,8 +709,9 @@ def test_the_gathered_weights_are_a_snapshot_the_next_step_leaves_alone(tmp_path
 
 
 def _learn_with_and_without_activation_checkpointing(rank: int, model: str, out: str) -> None:
-    """One rank: the same learning step on the sharded model, without and with activation checkpointing; saves
-    each one's layer calls under autograd and its weights after the step."""
+    """One rank: the same learning step on the sharded model (bf16 layers, the fp32 head: the trainer's default),
+    without and with activation checkpointing; saves each one's layer calls under autograd, the dtypes its
+    attention's inputs had (hidden states and RoPE's cos) and its weights after the step."""
     from transformers import AutoModelForCausalLM
 
     from lockstep_workers import sharding
@@ -723,27 +724,41 @@ def _learn_with_and_without_activation_checkpointing(rank: int, model: str, out:
         rollouts = sample(causal_lm, [[1, 10, 11], [1, 20, 21]], group=4, length=5)
         rewards = [target_words(r.prompt, r.completion) for r in rollouts]
         calls: list[bool] = []
+        dtypes: set[tuple[torch.dtype, torch.dtype]] = set()
         for layer in causal_lm.model.layers:  # a pre-hook: a recomputation may stop before the layer returns
             layer.register_forward_pre_hook(lambda *_, calls=calls: calls.append(torch.is_grad_enabled()))
+            layer.self_attn.register_forward_pre_hook(
+                lambda _, args, kwargs, dtypes=dtypes: dtypes.add(
+                    (kwargs["hidden_states"].dtype, kwargs["position_embeddings"][0].dtype)
+                ),
+                with_kwargs=True,
+            )
         policy = sharding.shard(
-            causal_lm, mesh, compute_dtype=torch.float32, fp32_head=True, activation_checkpointing=checkpointing
+            causal_lm, mesh, compute_dtype=torch.bfloat16, fp32_head=True, activation_checkpointing=checkpointing
         )
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
         learn(policy, optimizer, rollouts, rewards, Objective(algorithm="grpo", minibatches=1), TEMPERATURE)
-        results[checkpointing] = {"calls": sum(calls), "weights": sharding.full_state_dict(causal_lm)}
+        results[checkpointing] = {
+            "calls": sum(calls),
+            "dtypes": dtypes,
+            "weights": sharding.full_state_dict(causal_lm),
+        }
     torch.save(results, out)
     torch.distributed.destroy_process_group()
 
 
 def test_activation_checkpointing_recomputes_each_layer_and_learns_the_same(tmp_path: Path) -> None:
     """spec.trainer.activationCheckpointing on the FSDP2-sharded model: every decoder layer runs again in the
-    backward pass (its activations were not kept), and the step ends on the same weights as without."""
+    backward pass (its activations were not kept) on inputs cast to the layers' dtype as in the forward pass (torch
+    2.11's FSDP2 left RoPE's cos and sin in fp32 there, which CUDA's attention refused; docs/benchmarks.md), and the
+    step ends on the same weights as without."""
     model = create_tiny_llama(tmp_path / "model")
     out = tmp_path / "results.pt"
     mp.spawn(_learn_with_and_without_activation_checkpointing, args=(str(model), str(out)), nprocs=1)
     results = torch.load(out, weights_only=False)
     kept, recomputed = results[False], results[True]
     assert kept["calls"] > 0 and recomputed["calls"] == 2 * kept["calls"], (kept["calls"], recomputed["calls"])
+    assert kept["dtypes"] == recomputed["dtypes"] == {(torch.bfloat16, torch.bfloat16)}, recomputed["dtypes"]
     assert_same_weights(recomputed["weights"], kept["weights"])
     base = tiny(tmp_path / "model").state_dict()
     assert any(not torch.equal(t, base[n]) for n, t in kept["weights"].items()), "the step moved the weights"
