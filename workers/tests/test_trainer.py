@@ -647,6 +647,19 @@ def assert_same_weights(found: dict[str, torch.Tensor], expected: dict[str, torc
         torch.testing.assert_close(found[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def assert_trained_alike(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], shared: Path) -> None:
+    """Weights trained on another number of ranks than ``expected``'s run (whose directory is ``shared``): each tensor
+    within a thousandth of how far that run moved it since version 1. Not elementwise: Adam divides each gradient by
+    its own running scale, so a gradient at rounding level, summed in another order over 2 ranks, moves its weight
+    visibly (5e-5 in two embedding rows of the tiny model, 1e-4 of the tensor's movement, on one machine's CPU and
+    not on another's); a gradient lost or counted twice is off by a tenth of the movement or more."""
+    assert set(found) == set(expected)
+    start = published(shared, 1)
+    for name, tensor in expected.items():
+        off, moved = (found[name] - tensor).norm().item(), (tensor - start[name]).norm().item()
+        assert off <= 1e-3 * moved, f"{name}: {off:.3g} from the other run's, which moved {moved:.3g} since version 1"
+
+
 def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
     """FSDP2 over gloo, 2 ranks (each learning from its own prompt groups, in micro-batches) against 1 rank on the
     same batches: the same losses and the same weights after 3 steps."""
@@ -660,7 +673,7 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
     for mine, theirs in zip(two, one, strict=True):
         for name in ("loss", "reward", "kl_new_old", "entropy", "grad_norm", "learning_rate"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
-    assert_same_weights(published(tmp_path / "two", 3), published(tmp_path / "one", 3))
+    assert_trained_alike(published(tmp_path / "two", 3), published(tmp_path / "one", 3), tmp_path / "one")
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
 
 
@@ -777,7 +790,7 @@ def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_numbe
         for name in ("loss", "reward", "kl_new_old", "grad_norm", "learning_rate"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
     assert [r["learning_rate"] for r in straight] == pytest.approx([0.0015, 0.003, 0.00165, 0.0003])
-    assert_same_weights(published(tmp_path / "resumed", 4), published(tmp_path / "straight", 4))
+    assert_trained_alike(published(tmp_path / "resumed", 4), published(tmp_path / "straight", 4), tmp_path / "straight")
     expected, found = checkpointed(tmp_path / "straight", 4), checkpointed(tmp_path / "resumed", 4)
     assert found["trainer"]["step"] == 4
     moments = expected["optimizer"]["state"]
@@ -965,7 +978,7 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
     }
     adapter = published(tmp_path / "straight", 4)
     assert set(adapter) == expected, "the adapter alone, under PEFT's file names"
-    assert_same_weights(published(tmp_path / "resumed", 4), adapter)
+    assert_trained_alike(published(tmp_path / "resumed", 4), adapter, tmp_path / "straight")
     assert all(not torch.equal(t, published(tmp_path / "straight", 1)[n]) for n, t in adapter.items()), "it learns"
     path = version_path(weights_directory(tmp_path / "straight"), 4)
     with safe_open(str(path), framework="pt") as opened:
