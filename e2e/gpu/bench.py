@@ -113,7 +113,7 @@ def build_like(model: Any, device: torch.device) -> Any:
 
 
 def print_profile(step: Any, device: torch.device, rank: int) -> None:
-    """Run ``step`` under torch's profiler and print, on rank 0, the 25 operators that took the most device time of their own
+    """Run ``step`` under torch's profiler and print, on rank 0, the 25 operators that took the most time of their own
     (CPU time on a CPU), with their shapes."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -720,9 +720,10 @@ class Objective(Model):
     kl_coefficient: Annotated[float, Field(ge=0)] = Field(
         0.0,
         description="The loss adds this times an estimate of KL(trained policy || reference) at the sampled tokens, "
-        "aggregated as the loss is; the reference is the base model, which in a LoRA job is the same model with the "
-        "adapter disabled (no second copy). Needs spec.trainer.lora: a full fine-tuning job's frozen reference is not "
-        "implemented. Metrics kl_ref (the estimate's mean over tokens) and kl_loss (the term). 0: none.",
+        "aggregated as the loss is; the reference is the model the job started from (spec.model): in a LoRA job the "
+        "same model with the adapter disabled (no second copy), in full fine-tuning a frozen copy that each trainer "
+        "rank holds a shard of (fp32 parameters: a quarter more memory than the trained copy with its gradients and "
+        "AdamW state). Metrics kl_ref (the estimate's mean over tokens) and kl_loss (the term). 0: none.",
     )
     kl_estimator: KlEstimator = Field(
         KlEstimator.K3,
@@ -1145,13 +1146,6 @@ TRAINER_SHARDS_RULE = cel(
     "raise promptsPerStep or lower the others",
     field_path=".rollout.promptsPerStep",
 )
-KL_REFERENCE_RULE = cel(
-    "self.objective.klCoefficient == 0.0 || has(self.lora)",
-    "spec.trainer.objective.klCoefficient needs spec.trainer.lora: the reference policy is the base model with the "
-    "adapter disabled, and a full fine-tuning job's frozen reference copy is not implemented; set lora, or "
-    "klCoefficient to 0",
-    field_path=".objective.klCoefficient",
-)
 WARMUP_RULE = cel(
     "self.objective.optimizer.warmupSteps <= self.steps",
     "spec.trainer.objective.optimizer.warmupSteps must be at most spec.trainer.steps: a longer warm-up never "
@@ -1177,7 +1171,6 @@ class TrainerSpec(PodOverrides, Training):
             ON_POLICY_GROUPS_RULE,
             EVAL_SPLIT_RULE,
             WARMUP_RULE,
-            KL_REFERENCE_RULE,
             LORA_IMMUTABLE_RULE,
             REWARD_CHOICE_RULE,
         )

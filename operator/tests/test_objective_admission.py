@@ -86,9 +86,10 @@ def test_a_warm_up_longer_than_the_job_is_refused() -> None:
     assert error.startswith("spec.trainer.objective.advantage: Unsupported value: "), error
 
 
-def test_a_kl_term_without_a_lora_adapter_is_refused() -> None:
+def test_a_kl_term_is_admitted_with_or_without_a_lora_adapter_and_a_negative_one_is_refused() -> None:
     spec = job()["spec"]
     spec["trainer"]["objective"] = {"klCoefficient": 0.01, "klEstimator": "k3"}
+    assert schema_errors(spec) == [], "full fine-tuning: a frozen copy of the model is the reference"
+    spec["trainer"]["objective"]["klCoefficient"] = -0.01
     [error] = schema_errors(spec)
     assert error.startswith("spec.trainer.objective.klCoefficient: Invalid value: "), error
-    assert "a full fine-tuning job's frozen reference copy is not implemented" in error

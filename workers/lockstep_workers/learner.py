@@ -9,6 +9,7 @@ tensor is made on the policy's device; collectives carry only tensors on it (CUD
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -314,11 +315,13 @@ def learn(
     version: int | None = None,
     max_lag: int | None = None,
     max_tokens: int | None = None,
+    reference: Policy | None = None,
 ) -> dict[str, float]:
     """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
     micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics (its sums and counts over the
     micro-batches and minibatches, divided once) and those statistics, which ``across_ranks`` combines.
-    ``max_tokens`` (spec.trainer.rollout.maxTokens) is seq-mean-token-sum-norm's constant.
+    ``max_tokens`` (spec.trainer.rollout.maxTokens) is seq-mean-token-sum-norm's constant. ``reference``: the frozen
+    policy of a KL term (objective.kl_coefficient) in full fine-tuning; None: the policy's LoRA adapter disabled.
 
     The ratios are taken against the model as it was when the batch arrived (``old``), so they depart from 1, and
     clipping acts, from the second minibatch on; the entropy is that model's. ``version`` is the weights version the
@@ -348,7 +351,7 @@ def learn(
             for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device)
         ]
     old, entropy, completion = (torch.cat([part[n] for part in passes]) for n in range(3))  # type: ignore[misc]
-    reference = _reference_logprobs(policy, rollouts, objective, temperature, top_p, widest, device)
+    references = _reference_logprobs(reference, policy, rollouts, objective, temperature, top_p, widest, device)
     # Only the tokens the policy sampled reach the loss, not those a multi-turn environment inserted; a token vLLM
     # sampled that falls outside the trainer's top-p set has no finite ratio: it is left out too.
     sampled = completion.clone()
@@ -391,7 +394,7 @@ def learn(
                 kept,
                 entropy[part],
                 None if new_entropy is None else torch.where(kept.bool(), new_entropy, 0.0),
-                None if reference is None else reference[part],
+                None if references is None else references[part],
             )
             loss, measured = policy_loss(batch, objective, max_tokens)
             (loss * measured.sums["loss_units"] / max(total, 1.0) * _world()).backward()
@@ -405,6 +408,7 @@ def learn(
 
 
 def _reference_logprobs(
+    reference: Policy | None,
     policy: Policy,
     rollouts: Sequence[Rollout],
     objective: Objective,
@@ -414,14 +418,16 @@ def _reference_logprobs(
     device: torch.device,
 ) -> torch.Tensor | None:
     """With a KL coefficient, the reference policy's logprobs of the completions ([sequences, ``width``], no
-    gradient, 0 where outside its top-p set): the base model, a LoRA adapter disabled (lockstep_workers.lora.base_only),
-    through the same head as the policy's; None without one."""
+    gradient, 0 where outside its top-p set): ``reference``'s, a frozen copy of the base model, or without one the
+    policy's with its LoRA adapter disabled (lockstep_workers.lora.base_only), through the same head as the policy's;
+    None without a KL coefficient."""
     if not objective.kl_coefficient:
         return None
     everything = list(range(len(rollouts)))
-    with torch.no_grad(), lora.base_only(policy.causal_lm):
+    scorer = reference if reference is not None else policy
+    with torch.no_grad(), contextlib.nullcontext() if reference is not None else lora.base_only(policy.causal_lm):
         parts = [
-            token_logprobs(policy, [rollouts[i] for i in rows], temperature, top_p=top_p, width=width)[0]
+            token_logprobs(scorer, [rollouts[i] for i in rows], temperature, top_p=top_p, width=width)[0]
             for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device)
         ]
     return torch.cat(parts).nan_to_num(neginf=0.0)

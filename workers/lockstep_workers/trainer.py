@@ -156,13 +156,15 @@ def resumption(committed: Weights | None, weights_dir: Path, checkpoints_dir: Pa
 @dataclass(frozen=True)
 class TrainedModel:
     """The trainer's model on this rank: the causal LM (fp32 master weights; in a LoRA job its base frozen, with the
-    adapter injected), sharded as a Policy, the optimizer of the parameters that train, and the adapter's PEFT
-    config (None: every weight trains)."""
+    adapter injected), sharded as a Policy, the optimizer of the parameters that train, the adapter's PEFT
+    config (None: every weight trains), and a full fine-tuning job's KL reference (None: no KL term, or a LoRA job's,
+    whose reference is its base)."""
 
     causal_lm: Any  # a Hugging Face model (untyped)
     policy: Policy
     optimizer: torch.optim.Optimizer
     adapter: LoraConfig | None = None
+    reference: Policy | None = None
 
     def gathered(self) -> dict[str, torch.Tensor]:
         """What a version publishes, gathered from the shards onto rank 0 (a collective; empty on the other ranks):
@@ -184,8 +186,11 @@ class TrainedModel:
 def build(model_path: str, settings: Training, config: PodConfig | None, mesh: Any) -> TrainedModel:
     """Every rank: the model at ``model_path`` in fp32, with spec.trainer.lora's adapter injected (PEFT) when set,
     sharded over ``mesh`` (lockstep_workers.sharding) with the job's numerics (``config``; outside an RLJob's pod the
-    policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. A LoRA setting
-    that does not fit the model stops the trainer (SystemExit) with the reason."""
+    policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. With a KL
+    coefficient and no LoRA, a second copy of the model, frozen and sharded alike (fp32 parameters, no gradients
+    and no optimizer state: a quarter more than the trained copy's parameters, gradients and AdamW moments), is the
+    reference: the model the job started from, also after a restart. A LoRA setting that does not fit the model
+    stops the trainer (SystemExit) with the reason."""
     from transformers import AutoModelForCausalLM
 
     numerics = config.trainer if config is not None else TrainerNumerics()
@@ -197,16 +202,22 @@ def build(model_path: str, settings: Training, config: PodConfig | None, mesh: A
         except lora.LoraSettingsError as error:
             raise SystemExit(str(error)) from error
         lora.inject(causal_lm, adapter)
+    dtype = compute_dtype(config.model.dtype if config is not None else DType.AUTO, model_path)
+    fp32_head = numerics.lm_head_dtype is DType.FLOAT32
     policy = sharding.shard(
         causal_lm,
         mesh,
-        compute_dtype=compute_dtype(config.model.dtype if config is not None else DType.AUTO, model_path),
-        fp32_head=numerics.lm_head_dtype is DType.FLOAT32,
+        compute_dtype=dtype,
+        fp32_head=fp32_head,
         activation_checkpointing=settings.activation_checkpointing,
     )
     trains = [parameter for parameter in policy.parameters() if parameter.requires_grad]
     optimizer = optimization.adamw(trains, settings.objective)
-    return TrainedModel(causal_lm, policy, optimizer, adapter)
+    reference = None
+    if settings.objective.kl_coefficient and adapter is None:
+        frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).requires_grad_(False)
+        reference = sharding.shard(frozen, mesh, compute_dtype=dtype, fp32_head=fp32_head)
+    return TrainedModel(causal_lm, policy, optimizer, adapter, reference)
 
 
 def restore(env: PodEnvironment, model: TrainedModel) -> Resumption:
@@ -414,11 +425,6 @@ def train(model_path: str, settings: Training, env: PodEnvironment, actors: Acto
             f"{environment.SHARED_DIR} is not set: the operator sets it to the directory for the job's weights and "
             "metrics; run the trainer as the operator renders it"
         )
-    if settings.objective.kl_coefficient and settings.lora is None:
-        raise SystemExit(
-            "spec.trainer.objective.klCoefficient needs spec.trainer.lora: the reference policy is the base model with "
-            "the adapter disabled; a full fine-tuning job's frozen reference copy is not implemented"
-        )
     if settings.lora is not None and env.weight_sync.collective:
         raise SystemExit(
             f"spec.trainer.lora needs spec.weightSync.backend filesystem, not {env.weight_sync.value}: each version "
@@ -588,6 +594,7 @@ def _steps(
             version=step - 1,
             max_lag=settings.max_lag,
             max_tokens=rollout.max_tokens,
+            reference=model.reference,
         )
         metrics = across_ranks(metrics, device)
         metrics["learn_seconds"] = time.monotonic() - learning

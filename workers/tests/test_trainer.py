@@ -777,6 +777,24 @@ def test_activation_checkpointing_recomputes_each_layer_and_learns_the_same(tmp_
     assert any(not torch.equal(t, base[n]) for n, t in kept["weights"].items()), "the step moved the weights"
 
 
+def test_a_full_fine_tuning_jobs_kl_reference_is_the_model_it_started_from_on_any_ranks_and_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """spec.trainer.objective.klCoefficient without LoRA: a frozen copy of the model, sharded like the policy, is the
+    reference. Each step's second minibatch learns after the first moved the policy, so every step's KL is above 0;
+    2 ranks stopped after step 2 and 1 rank resuming to step 4 measure the KL a trainer that never stopped does: the
+    reference stays the starting model (were it the resumed weights, steps 3 and 4 would measure far less)."""
+    model = create_tiny_llama(tmp_path / "model")
+    settings = SETTINGS.model_copy(update={"objective": SETTINGS.objective.model_copy(update={"kl_coefficient": 0.05})})
+    straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=settings)
+    run_trainer(2, model, tmp_path / "resumed", steps=2, settings=settings)
+    resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=settings)
+    assert all(r["kl_ref"] > 0 for r in straight), [r["kl_ref"] for r in straight]
+    for mine, theirs in zip(resumed, straight, strict=True):
+        for name in ("loss", "kl_ref", "kl_loss"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-3, abs=1e-7), (mine["step"], name)
+
+
 def test_a_trainer_stopped_between_steps_resumes_its_checkpoint_on_another_number_of_ranks(tmp_path: Path) -> None:
     """2 ranks run 2 steps and stop; 1 rank resumes from their checkpoint (model and optimizer shards, resharded)
     and runs steps 3 and 4 on the same batches as a trainer that never stopped, to the same weights and optimizer
