@@ -730,6 +730,13 @@ class Objective(Model):
         description="The per-token estimate of the KL, with x = log pi - log pi_ref (Schulman's): k1 = x, k2 = x^2 / "
         "2, k3 = exp(-x) + x - 1 (low variance, always >= 0; verl's low_var_kl, clamped as verl clamps it).",
     )
+    kl_reference_offload: bool = Field(
+        False,
+        description="Full fine-tuning with klCoefficient: keep the frozen reference's parameters in host memory, each "
+        "layer copied to the accelerator as its forward pass needs it (FSDP2's CPU offload): no accelerator memory "
+        "for the reference between its passes, for one copy of the model from host to accelerator a step. Refused "
+        "without klCoefficient or with spec.trainer.lora (whose reference is its base: no copy to offload).",
+    )
     clip_epsilon_low: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.2, description="Lower clip range: the ratio is clipped below at 1 - clipEpsilonLow."
     )
@@ -1153,6 +1160,12 @@ WARMUP_RULE = cel(
     field_path=".objective.optimizer.warmupSteps",
 )
 
+KL_OFFLOAD_RULE = cel(
+    "!self.objective.klReferenceOffload || (self.objective.klCoefficient > 0.0 && !has(self.lora))",
+    "spec.trainer.objective.klReferenceOffload offloads the frozen KL reference of a full fine-tuning job: it needs "
+    "klCoefficient above 0 and no spec.trainer.lora (a LoRA job's reference is its base, no copy); set it to false",
+    field_path=".objective.klReferenceOffload",
+)
 LORA_IMMUTABLE_RULE = cel(
     "has(self.lora) == has(oldSelf.lora) && (!has(self.lora) || self.lora == oldSelf.lora)",
     "spec.trainer.lora is immutable while the RLJob exists, and so is whether it is set: the actors were started "
@@ -1171,6 +1184,7 @@ class TrainerSpec(PodOverrides, Training):
             ON_POLICY_GROUPS_RULE,
             EVAL_SPLIT_RULE,
             WARMUP_RULE,
+            KL_OFFLOAD_RULE,
             LORA_IMMUTABLE_RULE,
             REWARD_CHOICE_RULE,
         )

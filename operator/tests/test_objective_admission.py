@@ -90,6 +90,23 @@ def test_a_kl_term_is_admitted_with_or_without_a_lora_adapter_and_a_negative_one
     spec = job()["spec"]
     spec["trainer"]["objective"] = {"klCoefficient": 0.01, "klEstimator": "k3"}
     assert schema_errors(spec) == [], "full fine-tuning: a frozen copy of the model is the reference"
+    spec["trainer"]["objective"]["klReferenceOffload"] = True
+    assert schema_errors(spec) == [], "its frozen copy may live in host memory"
     spec["trainer"]["objective"]["klCoefficient"] = -0.01
     [error] = schema_errors(spec)
     assert error.startswith("spec.trainer.objective.klCoefficient: Invalid value: "), error
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [{"objective": {"klReferenceOffload": True}}, {"objective": {"klCoefficient": 0.01, "klReferenceOffload": True}}],
+    ids=["without a KL term", "in a LoRA job"],
+)
+def test_offloading_a_kl_reference_there_is_none_of_is_refused(trainer: dict[str, Any]) -> None:
+    spec = job()["spec"]
+    spec["trainer"].update(trainer)
+    if "klCoefficient" in trainer["objective"]:
+        spec["trainer"]["lora"] = {"rank": 8}
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.klReferenceOffload: Invalid value: "), error
+    assert "needs klCoefficient above 0 and no spec.trainer.lora" in error

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lockstep_workers.learner import Policy
@@ -48,6 +48,7 @@ def shard(
     compute_dtype: torch.dtype,
     fp32_head: bool,
     activation_checkpointing: bool = False,
+    offload: bool = False,
 ) -> Policy:
     """``causal_lm`` (fp32 parameters: the master weights) sharded over ``mesh`` with FSDP2, as a Policy.
 
@@ -55,17 +56,20 @@ def shard(
     (tied weights must be), in fp32 when ``fp32_head``, else in ``compute_dtype``. Gradients are reduced in fp32.
     ``activation_checkpointing`` recomputes each layer's activations in the backward pass (Hugging Face's
     gradient checkpointing: it acts in train mode, which Llama-family models, without dropout, compute alike).
+    ``offload``: the parameters stay in host memory, each unit's copied to the accelerator for its forward (FSDP2's
+    CPU offload; for a frozen model: its gradients would be reduced on the CPU too).
     """
     if activation_checkpointing:
         causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         causal_lm.train()
+    placement = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     body = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in causal_lm.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=body)
-    fully_shard(causal_lm.model.norm, mesh=mesh, mp_policy=body)
+        fully_shard(layer, mesh=mesh, mp_policy=body, offload_policy=placement)
+    fully_shard(causal_lm.model.norm, mesh=mesh, mp_policy=body, offload_policy=placement)
     head = MixedPrecisionPolicy(param_dtype=torch.float32 if fp32_head else compute_dtype, reduce_dtype=torch.float32)
     policy = Policy(causal_lm, fp32_head=fp32_head)
-    fully_shard(policy, mesh=mesh, mp_policy=head)
+    fully_shard(policy, mesh=mesh, mp_policy=head, offload_policy=placement)
     return policy
 
 

@@ -189,8 +189,8 @@ def build(model_path: str, settings: Training, config: PodConfig | None, mesh: A
     policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. With a KL
     coefficient and no LoRA, a second copy of the model, frozen and sharded alike (fp32 parameters, no gradients
     and no optimizer state: a quarter more than the trained copy's parameters, gradients and AdamW moments), is the
-    reference: the model the job started from, also after a restart. A LoRA setting that does not fit the model
-    stops the trainer (SystemExit) with the reason."""
+    reference: the model the job started from, also after a restart (in host memory with klReferenceOffload). A
+    LoRA setting that does not fit the model stops the trainer (SystemExit) with the reason."""
     from transformers import AutoModelForCausalLM
 
     numerics = config.trainer if config is not None else TrainerNumerics()
@@ -216,7 +216,8 @@ def build(model_path: str, settings: Training, config: PodConfig | None, mesh: A
     reference = None
     if settings.objective.kl_coefficient and adapter is None:
         frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).requires_grad_(False)
-        reference = sharding.shard(frozen, mesh, compute_dtype=dtype, fp32_head=fp32_head)
+        offload = settings.objective.kl_reference_offload
+        reference = sharding.shard(frozen, mesh, compute_dtype=dtype, fp32_head=fp32_head, offload=offload)
     return TrainedModel(causal_lm, policy, optimizer, adapter, reference)
 
 

@@ -782,12 +782,16 @@ def test_a_full_fine_tuning_jobs_kl_reference_is_the_model_it_started_from_on_an
 ) -> None:
     """spec.trainer.objective.klCoefficient without LoRA: a frozen copy of the model, sharded like the policy, is the
     reference. Each step's second minibatch learns after the first moved the policy, so every step's KL is above 0;
-    2 ranks stopped after step 2 and 1 rank resuming to step 4 measure the KL a trainer that never stopped does: the
-    reference stays the starting model (were it the resumed weights, steps 3 and 4 would measure far less)."""
+    2 ranks (the reference offloaded to host memory: klReferenceOffload) stopped after step 2 and 1 rank resuming to
+    step 4 measure the KL a trainer that never stopped does: the reference stays the starting model (were it the
+    resumed weights, steps 3 and 4 would measure far less: the KL grows about 0.027 a step here)."""
     model = create_tiny_llama(tmp_path / "model")
     settings = SETTINGS.model_copy(update={"objective": SETTINGS.objective.model_copy(update={"kl_coefficient": 0.05})})
+    offloaded = settings.model_copy(
+        update={"objective": settings.objective.model_copy(update={"kl_reference_offload": True})}
+    )
     straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=settings)
-    run_trainer(2, model, tmp_path / "resumed", steps=2, settings=settings)
+    run_trainer(2, model, tmp_path / "resumed", steps=2, settings=offloaded)
     resumed = run_trainer(1, model, tmp_path / "resumed", steps=4, settings=settings)
     assert all(r["kl_ref"] > 0 for r in straight), [r["kl_ref"] for r in straight]
     for mine, theirs in zip(resumed, straight, strict=True):
