@@ -9,7 +9,8 @@ backend and device of every collective the step and its metrics ran.
 MFU counts the model FLOPs a step needs over its time, against the bf16 dense peak: per token, 2·N (the no-grad
 pass that gives the old logprobs) + 6·N (forward and backward) for the N non-embedding body parameters, the same
 for the head at completion tokens only, and causal attention (1 + 3)·2·layers·length·hidden; the head's
-recomputation in the backward pass is not counted, as activation recomputation never is.
+recomputation in the backward pass is not counted, as activation recomputation never is, nor is the KL reference's
+forward pass (``--kl-reference``): compare its tokens/s.
 """
 
 from __future__ import annotations
@@ -143,11 +144,19 @@ def rank_main(rank: int, world: int, port: int, options: argparse.Namespace, res
         model, mesh, compute_dtype=dtype, fp32_head=options.head == "float32", activation_checkpointing=options.ac
     )
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-5, fused=device.type == "cuda")
+    reference = None
+    if options.kl_reference != "none":  # a full fine-tuning job's KL reference, as the trainer builds it
+        frozen = build(options.model).requires_grad_(False)
+        offload = options.kl_reference == "host"
+        reference = sharding.shard(
+            frozen, mesh, compute_dtype=dtype, fp32_head=options.head == "float32", offload=offload
+        )
     objective = Objective(
         algorithm="grpo",
         minibatches=options.minibatches,
         tokens_per_micro_batch=options.micro_batch_tokens,
         rollout_correction=RolloutCorrection(upper=2.0),
+        kl_coefficient=0.05 if reference is not None else 0.0,
     )
     vocab = model.config.vocab_size
 
@@ -155,7 +164,8 @@ def rank_main(rank: int, world: int, port: int, options: argparse.Namespace, res
         batch = rollouts(step, options.prompts, options.group, options.prompt_tokens, options.completion_tokens, vocab)
         mine = [r for r in batch if r.group % world == rank]
         rewards = [(n % 3) / 2 for n in range(len(mine))]
-        return across_ranks(learn(policy, optimizer, mine, rewards, objective, 1.0, version=step - 1), device)
+        metrics = learn(policy, optimizer, mine, rewards, objective, 1.0, version=step - 1, reference=reference)
+        return across_ranks(metrics, device)
 
     times = []
     for step in range(1, options.steps + 1):
@@ -181,6 +191,7 @@ def rank_main(rank: int, world: int, port: int, options: argparse.Namespace, res
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": options.dtype,
             "head": options.head,
+            "kl_reference": options.kl_reference,
             "tokens_per_step": tokens,
             "median_step_seconds": round(seconds, 4),
             "tokens_per_second": round(tokens / seconds),
@@ -217,6 +228,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="the layers' compute dtype")
     parser.add_argument("--head", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
+    parser.add_argument(
+        "--kl-reference",
+        choices=("none", "device", "host"),
+        default="none",
+        help="a KL term to a frozen copy of the model, on the accelerator or offloaded to host memory",
+    )
     parser.add_argument("--gap", action="store_true", help="also measure the logprob gap to an fp32 reference")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak of a GPU not in the table")

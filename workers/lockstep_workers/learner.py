@@ -172,8 +172,13 @@ class Policy(torch.nn.Module):
 
 
 def device_of(policy: torch.nn.Module) -> torch.device:
-    """Where ``policy`` computes (its parameters', or its local shards', device)."""
-    return next(policy.parameters()).device
+    """Where ``policy`` computes: its parameters' device, or with parameters sharded over a CUDA device mesh
+    (FSDP2) this rank's GPU, also when they wait in host memory between passes (CPU offload)."""
+    parameter = next(policy.parameters())
+    mesh = getattr(parameter, "device_mesh", None)
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return parameter.device
 
 
 def token_logprobs(
