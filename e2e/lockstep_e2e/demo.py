@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import statistics
 import subprocess
@@ -195,8 +196,22 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="cluster state and logs (default: out/demo or out/demo-tiny)")
     parser.add_argument("--steps", type=int, help="trainer steps, one weight update each (default: the demo's)")
     parser.add_argument("--keep", action="store_true", help="keep the cluster running until Ctrl-C")
+    for part in ("objective", "rollout"):
+        parser.add_argument(
+            f"--{part}",
+            type=json.loads,
+            default={},
+            metavar="JSON",
+            help=f"fields of spec.trainer.{part} over the demo's, e.g. "
+            + ('\'{"advantage": "dr_grpo"}\'' if part == "objective" else "'{\"dynamicSampling\": true}'"),
+        )
     options = parser.parse_args()
     demo = TINY if options.tiny else REAL
+    trainer = {
+        **demo.trainer,
+        "objective": {**demo.trainer.get("objective", {}), **options.objective},
+        "rollout": {**demo.trainer.get("rollout", {}), **options.rollout},
+    }
     steps: int = options.steps or demo.steps
     workdir: Path = options.workdir or REPO / "out" / ("demo-tiny" if options.tiny else "demo")
     if workdir.exists():
@@ -230,7 +245,7 @@ def main() -> None:
             timeout=900.0 + demo.seconds_per_step * steps,
             progress=step,
             text=True,
-            trainer={**demo.trainer, **writes},
+            trainer={**trainer, **writes},
             model=model,
             dtype=demo.dtype,
             preflight={"enabled": demo.preflight},
