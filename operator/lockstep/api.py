@@ -7,6 +7,7 @@ CEL rules that the API server enforces live beside the fields they guard.
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -643,6 +644,12 @@ class LearningRateSchedule(StrEnum):
     COSINE = "cosine"
 
 
+ONE_WARMUP_RULE = cel(
+    "!has(self.warmupRatio) || self.warmupRatio == 0.0 || !has(self.warmupSteps) || self.warmupSteps == 0",
+    "spec.trainer.objective.optimizer sets the warm-up twice: warmupSteps counts its steps, warmupRatio its share of "
+    "spec.trainer.steps; keep one",
+    field_path=".warmupRatio",
+)
 CONSTANT_SCHEDULE_RULE = cel(
     "!has(self.minLearningRateRatio) || self.minLearningRateRatio == 0.0 || (has(self.schedule) && "
     "self.schedule != 'constant')",
@@ -658,7 +665,7 @@ class OptimizerSettings(Model):
     warm-up and schedule over the job's steps (docs/recipes.md); the peak rate is spec.trainer.objective.learningRate.
     """
 
-    model_config = ConfigDict(json_schema_extra=validations(CONSTANT_SCHEDULE_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(CONSTANT_SCHEDULE_RULE, ONE_WARMUP_RULE))
 
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
         [0.9, 0.999],
@@ -678,7 +685,12 @@ class OptimizerSettings(Model):
     warmup_steps: Annotated[int, Field(ge=0)] = Field(
         0,
         description="The learning rate rises linearly over this many steps, step n learning at n / warmupSteps of "
-        "learningRate, before the schedule. 0: no warm-up.",
+        "learningRate, before the schedule. 0: no warm-up (or warmupRatio's).",
+    )
+    warmup_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0,
+        description="The warm-up as a fraction of spec.trainer.steps instead: ceil(warmupRatio x steps) steps, as "
+        "Hugging Face's warmup_ratio counts them (verl's lr_warmup_steps_ratio). Not with warmupSteps.",
     )
     schedule: LearningRateSchedule = Field(
         LearningRateSchedule.CONSTANT,
@@ -688,6 +700,10 @@ class OptimizerSettings(Model):
     min_learning_rate_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
         0.0, description="Where a linear or cosine schedule ends, as a fraction of learningRate."
     )
+
+    def warmup(self, steps: int) -> int:
+        """How many of a job's ``steps`` warm up: warmupSteps, or warmupRatio's share of them rounded up."""
+        return self.warmup_steps or math.ceil(self.warmup_ratio * steps)
 
 
 class Objective(Model):

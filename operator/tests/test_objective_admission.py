@@ -86,6 +86,16 @@ def test_a_warm_up_longer_than_the_job_is_refused() -> None:
     assert error.startswith("spec.trainer.objective.advantage: Unsupported value: "), error
 
 
+def test_a_warm_up_given_both_in_steps_and_as_a_ratio_is_refused() -> None:
+    spec = job()["spec"]
+    spec["trainer"]["objective"] = {"optimizer": {"warmupRatio": 0.1}}
+    assert schema_errors(spec) == []
+    spec["trainer"]["objective"]["optimizer"]["warmupSteps"] = 2
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.objective.optimizer.warmupRatio: Invalid value: "), error
+    assert "sets the warm-up twice" in error
+
+
 def test_a_kl_term_is_admitted_with_or_without_a_lora_adapter_and_a_negative_one_is_refused() -> None:
     spec = job()["spec"]
     spec["trainer"]["objective"] = {"klCoefficient": 0.01, "klEstimator": "k3"}

@@ -29,10 +29,10 @@ def adamw(parameters: Iterable[torch.nn.Parameter], objective: Objective) -> tor
 
 
 def learning_rate_factor(step: int, settings: OptimizerSettings, steps: int) -> float:
-    """The fraction of the peak learning rate that step ``step`` (1 to ``steps``) learns at: n / warmupSteps over
-    the warm-up's steps n; then 1 (constant), or a linear or cosine decay whose progress is (step - warmupSteps) /
-    (steps - warmupSteps), from 1 to minLearningRateRatio at the last step (and after it)."""
-    step, warmup = min(step, steps), settings.warmup_steps
+    """The fraction of the peak learning rate that step ``step`` (1 to ``steps``) learns at: n / W over the W
+    warm-up steps n (warmupSteps, or warmupRatio's share of ``steps``); then 1 (constant), or a linear or cosine
+    decay whose progress is (step - W) / (steps - W), from 1 to minLearningRateRatio at the last step (and after it)."""
+    step, warmup = min(step, steps), settings.warmup(steps)
     if step <= warmup:
         return step / warmup
     if settings.schedule is LearningRateSchedule.CONSTANT:

@@ -18,6 +18,8 @@ from lockstep_workers.optimization import adamw, clip_gradients, learning_rate_f
         ({}, [1.0] * 6),
         ({"warmupSteps": 2}, [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
         ({"warmupSteps": 2, "schedule": "linear"}, [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]),
+        ({"warmupRatio": 0.25, "schedule": "linear"}, [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]),  # ceil(1.5) = 2 steps
+        ({"warmupRatio": 1.0}, [1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0]),
         ({"schedule": "linear", "minLearningRateRatio": 0.4}, [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]),
         ({"warmupSteps": 2, "schedule": "cosine", "minLearningRateRatio": 0.2}, [0.5, 1.0, 0.88284, 0.6, 0.31716, 0.2]),
     ],
