@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo demo-tiny test unit venv binaries real-model kueue lws lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo models-matrix lock clean images images-cuda images-push images-check image-tools
+.PHONY: demo demo-tiny test unit venv binaries real-model kueue otelcol lws lint scan typecheck pytest bench-apply bench-barrier bench-weights bench-pipeline bench-pipeline-demo models-matrix lock clean images images-cuda images-push images-check image-tools
 
 # The real pretrained model learns two-digit addition; demo-tiny: a random 2-layer Llama, with a preflight (docs/demo.md).
 demo: venv binaries real-model
@@ -60,13 +60,18 @@ typecheck: venv
 # --durations=30: every run (CI's too) says where its time went, before the short summary that names each failed
 # test; past 40 minutes the run also warns with its 10 slowest tests (e2e/lockstep_e2e/pytest_budget.py, issue 33).
 # The real model is fetched and converted first, as Kueue is built, outside any test's timeout.
-pytest: venv binaries kueue real-model
+pytest: venv binaries kueue otelcol real-model
 	$(VENV)/bin/pytest --durations=30
 
 # Kueue's controller manager for its e2e tests (about 4 minutes when not cached), built before pytest so that no
 # test's timeout has to hold a Go build.
 kueue: venv
 	$(PY) -c 'from lockstep_e2e.build import build_kueue; print(build_kueue())'
+
+# The tests' OpenTelemetry Collector (e2e/otelcol/main.go; a few minutes when not cached), which the e2e session's
+# operator and trainers send their traces to.
+otelcol: venv
+	$(PY) -c 'from lockstep_e2e.build import build_otelcol; print(build_otelcol())'
 
 # LeaderWorkerSet's controller manager (about 6 minutes when not cached), for multi-pod actor groups
 # (docs/actor-groups.md). Not yet a prerequisite of pytest: no test starts it.

@@ -24,6 +24,8 @@ ETCD_VERSION = "v3.7.3"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
 KUEUE_VERSION = "v0.17.0"
+OTELCOL_VERSION = "v0.165.0"
+"""The OpenTelemetry Collector's release (its modules at v0.165.0 go with pdata v1.71.0)."""
 LWS_VERSION = "v0.9.0"
 """The newest LeaderWorkerSet the Go module proxy serves here (v0.10.0 is refused, 403); built on k8s.io v0.36
 (docs/actor-groups.md)."""
@@ -102,6 +104,30 @@ def build_lws() -> Path:
         _step(f"building {main} {LWS_VERSION} (a few minutes on 2 cores)")
         _go("mod", "tidy", cwd=workdir)
         _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), main, cwd=workdir)
+    return target
+
+
+def otelcol_path() -> Path:
+    """The tests' OpenTelemetry Collector (e2e/otelcol/main.go: OTLP in, the debug exporter out), by version."""
+    return cache_root() / f"otelcol-{OTELCOL_VERSION}" / "bin" / "otelcol"
+
+
+def build_otelcol() -> Path:
+    """Build the tests' OpenTelemetry Collector unless it is cached (a few minutes on 2 cores); return its path.
+
+    The collector's own distributions are not modules the proxy serves, so a main of the repository's
+    (e2e/otelcol/main.go) puts together the receiver and exporter the tests use, at one collector release."""
+    target = otelcol_path()
+    if not target.is_file():
+        workdir = target.parent.parent / "module"
+        workdir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(__file__).resolve().parents[1] / "otelcol" / "main.go", workdir / "main.go")
+        modules = ("otelcol", "exporter/debugexporter", "receiver/otlpreceiver", "service")
+        requires = "".join(f"\tgo.opentelemetry.io/collector/{m} {OTELCOL_VERSION}\n" for m in modules)
+        (workdir / "go.mod").write_text(f"module lockstep.local/otelcol\n\ngo 1.26.0\n\nrequire (\n{requires})\n")
+        _step(f"building the OpenTelemetry Collector {OTELCOL_VERSION} (a few minutes on 2 cores)")
+        _go("mod", "tidy", cwd=workdir)
+        _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), ".", cwd=workdir)
     return target
 
 

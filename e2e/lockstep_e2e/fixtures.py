@@ -15,6 +15,7 @@ from kubernetes import client
 
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
+from lockstep_e2e.collector import Collector, running_collector
 from lockstep_e2e.install import install, start_operator
 from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
 
@@ -75,19 +76,30 @@ def operator_metrics_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    """A real OpenTelemetry Collector that the session's operator, and through it every trainer, sends traces to."""
+    with running_collector(tmp_path_factory.mktemp("otelcol")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
 def lockstep(
     cluster: LocalCluster,
     kube: client.ApiClient,
     tmp_path_factory: pytest.TempPathFactory,
     operator_metrics_port: int,
+    collector: Collector,
 ) -> Iterator[Component]:
-    """Lockstep installed (CRDs, admission policies, default ParityPolicy) and its operator running.
+    """Lockstep installed (CRDs, admission policies, default ParityPolicy) and its operator running, exporting its
+    traces to ``collector`` as the chart's operator.tracing.otlpEndpoint sets it up.
 
     Restarts wait 1 s (doubling) instead of 10 s, so restart tests stay short.
     """
     install(kube)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    operator = start_operator(cluster, log, "--restart-backoff-seconds=1", f"--metrics-port={operator_metrics_port}")
+    flags = ("--restart-backoff-seconds=1", f"--metrics-port={operator_metrics_port}")
+    tracing = (f"operator.tracing.otlpEndpoint={collector.endpoint}",)
+    operator = start_operator(cluster, log, *flags, chart_values=tracing)
     yield operator
     operator.stop()
 

@@ -1,3 +1,3 @@
-from lockstep_e2e.fixtures import cluster, kube, lockstep, namespace, operator_metrics_port
+from lockstep_e2e.fixtures import cluster, collector, kube, lockstep, namespace, operator_metrics_port
 
-__all__ = ["cluster", "kube", "lockstep", "namespace", "operator_metrics_port"]
+__all__ = ["cluster", "collector", "kube", "lockstep", "namespace", "operator_metrics_port"]

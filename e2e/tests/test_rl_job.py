@@ -25,6 +25,8 @@ from lockstep.cli import describe_status
 from lockstep.parity import default_policy
 from lockstep_e2e.barrier_time import barrier_times
 from lockstep_e2e.cluster import LocalCluster
+from lockstep_e2e.collector import Collector, Span
+from lockstep_e2e.fixtures import wait_for
 from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods, patch_job
 from lockstep_e2e.podrunner import JobPods
 from lockstep_e2e.rl import EVAL, RunResult, run_tiny_rl_job
@@ -113,11 +115,13 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
 
 
 def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
-    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path, collector: Collector
 ) -> None:
     """The text task: the repository's jsonl dataset through the model's chat template, math_exact_match, an
     evaluation before step 1 and step 6; each completion recorded with its prompt, row and reward. The trained model
-    is written to spec.output (every 3 steps and at the end) and the run to TensorBoard (spec.trainer.tracking)."""
+    is written to spec.output (every 3 steps and at the end), the run to TensorBoard (spec.trainer.tracking), and a
+    real OpenTelemetry Collector receives a trace of each weight update from the operator and of each step from the
+    trainer (the chart's operator.tracing.otlpEndpoint, which the operator passes on to the trainer)."""
     models = tmp_path / "models"
     writes = {
         "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "DirectoryOrCreate"}}],
@@ -165,6 +169,28 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
     run = EventAccumulator(str(tracking.run_directory(recorded.parent)))
     run.Reload()
     assert [e.step for e in run.Scalars("reward")] == list(range(1, 7)), "every step in TensorBoard"
+
+    def traced(name: str) -> list[Span]:
+        return [s for s in collector.spans() if s.name == name and s.attributes.get("k8s.namespace.name") == namespace]
+
+    def versions(spans: list[Span], attribute: str) -> list[int]:
+        return sorted(int(s.attributes[attribute]) for s in spans)
+
+    wait_for(  # the operator's batches leave every 5 s; the trainer's at its exit
+        lambda: (
+            6 in versions(traced("lockstep.barrier"), "lockstep.weights.version") and len(traced("lockstep.step")) == 6
+        ),
+        "the collector to receive the last barrier's trace and every step's",
+    )
+    barriers, steps = traced("lockstep.barrier"), traced("lockstep.step")
+    assert set(versions(barriers, "lockstep.weights.version")) <= set(range(1, 7))
+    assert {(b.service, b.attributes["lockstep.job"], b.attributes["lockstep.barrier.outcome"]) for b in barriers} == {
+        ("lockstep-operator", "tiny", "Completed")
+    }
+    phases = {s.name for s in collector.spans() if s.parent_id in {b.span_id for b in barriers}}
+    assert {"lockstep.barrier.update", "lockstep.barrier.resume"} <= phases, phases
+    assert versions(steps, "lockstep.step.number") == list(range(1, 7))
+    assert {s.service for s in steps} == {"lockstep-trainer"}
 
 
 def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retried(
