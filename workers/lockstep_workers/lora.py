@@ -170,7 +170,10 @@ def base_only(causal_lm: torch.nn.Module) -> Iterator[None]:
 
     layers = [module for module in causal_lm.modules() if isinstance(module, BaseTunerLayer)]
     if not layers:
-        raise ValueError("the model has no LoRA adapter to disable: its reference policy needs spec.trainer.lora")
+        raise ValueError(
+            "the model has no LoRA adapter to disable: without one, the KL term's reference is a frozen copy of the "
+            "model (learn's reference)"
+        )
     for layer in layers:
         layer.enable_adapters(False)
     try:

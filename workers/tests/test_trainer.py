@@ -1038,7 +1038,7 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
 def test_a_lora_jobs_kl_reference_is_its_base_with_the_adapter_disabled(tmp_path: Path) -> None:
     """spec.trainer.objective.klCoefficient in a LoRA job: the reference logprobs are the base model's (the adapter
     disabled for that pass alone, no second copy); the adapter starts at zero, so the first step's KL is 0 and the
-    next one's is not. A model without an adapter has no reference."""
+    next one's is not. A model without an adapter has none to disable: its KL needs a frozen reference."""
     base = tiny(tmp_path / "model")
     model = tiny(tmp_path / "model")
     lora.inject(model, lora.adapter_config(LoraSettings(rank=4, alpha=8, train_lm_head=True), model))
