@@ -93,18 +93,9 @@ def build_lws() -> Path:
 
     Built in a module that requires sigs.k8s.io/lws rather than by ``go install ...@version``, which asks the
     module proxy for the module's version list (to check deprecations), and the proxy refuses that list (403)."""
-    target = lws_path()
-    if not target.is_file():
-        workdir = target.parent.parent / "module"
-        workdir.mkdir(parents=True, exist_ok=True)
-        main = "sigs.k8s.io/lws/cmd"
-        (workdir / "go.mod").write_text(
-            f"module lockstep.local/lws\n\ngo 1.26.0\n\nrequire sigs.k8s.io/lws {LWS_VERSION}\n\ntool {main}\n"
-        )
-        _step(f"building {main} {LWS_VERSION} (a few minutes on 2 cores)")
-        _go("mod", "tidy", cwd=workdir)
-        _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), main, cwd=workdir)
-    return target
+    main = "sigs.k8s.io/lws/cmd"
+    requires = {"sigs.k8s.io/lws": LWS_VERSION}
+    return _build_in_module(lws_path(), f"{main} {LWS_VERSION}", requires, main, tool=True)
 
 
 def otelcol_path() -> Path:
@@ -117,17 +108,30 @@ def build_otelcol() -> Path:
 
     The collector's own distributions are not modules the proxy serves, so a main of the repository's
     (e2e/otelcol/main.go) puts together the receiver and exporter the tests use, at one collector release."""
-    target = otelcol_path()
+    modules = ("otelcol", "exporter/debugexporter", "receiver/otlpreceiver", "service")
+    requires = {f"go.opentelemetry.io/collector/{module}": OTELCOL_VERSION for module in modules}
+    main = Path(__file__).resolve().parents[1] / "otelcol" / "main.go"
+    return _build_in_module(otelcol_path(), f"the OpenTelemetry Collector {OTELCOL_VERSION}", requires, ".", main)
+
+
+def _build_in_module(
+    target: Path, what: str, requires: dict[str, str], package: str, main: Path | None = None, tool: bool = False
+) -> Path:
+    """Build ``package`` into ``target`` unless it is there, in a module of its own beside it (``target``'s
+    grandparent/module) that requires ``requires`` (module: version) and holds ``main``, if given, as its main.go;
+    ``tool``: the package is the module's tool. Return ``target``."""
     if not target.is_file():
         workdir = target.parent.parent / "module"
         workdir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(__file__).resolve().parents[1] / "otelcol" / "main.go", workdir / "main.go")
-        modules = ("otelcol", "exporter/debugexporter", "receiver/otlpreceiver", "service")
-        requires = "".join(f"\tgo.opentelemetry.io/collector/{m} {OTELCOL_VERSION}\n" for m in modules)
-        (workdir / "go.mod").write_text(f"module lockstep.local/otelcol\n\ngo 1.26.0\n\nrequire (\n{requires})\n")
-        _step(f"building the OpenTelemetry Collector {OTELCOL_VERSION} (a few minutes on 2 cores)")
+        if main is not None:
+            shutil.copyfile(main, workdir / "main.go")
+        lines = "".join(f"\t{module} {version}\n" for module, version in requires.items())
+        tools = f"\ntool {package}\n" if tool else ""
+        name = target.name
+        (workdir / "go.mod").write_text(f"module lockstep.local/{name}\n\ngo 1.26.0\n\nrequire (\n{lines})\n{tools}")
+        _step(f"building {what} (a few minutes on 2 cores)")
         _go("mod", "tidy", cwd=workdir)
-        _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), ".", cwd=workdir)
+        _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), package, cwd=workdir)
     return target
 
 
