@@ -199,21 +199,24 @@ def announce(
 ) -> None:
     """Write ``lockstep.dev/weights`` and, when the step measured them, its ``lockstep.dev/mismatch`` and
     ``lockstep.dev/evaluation`` on this trainer pod (the only place the operator reads them from)."""
-    from lockstep_workers.agent import pod_api
-
     annotations = {keys.WEIGHTS: document(weights)}
     if mismatch is not None:
         annotations[keys.MISMATCH] = document(mismatch)
     if evaluation is not None:
         annotations[keys.EVALUATION] = document(evaluation)
-    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
+    _annotate(namespace, pod, annotations)
 
 
 def report_output(output: OutputResult, namespace: str, pod: str) -> None:
     """Write ``lockstep.dev/output`` on this trainer pod: the model it wrote last (spec.output)."""
+    _annotate(namespace, pod, {keys.OUTPUT: document(output)})
+
+
+def _annotate(namespace: str, pod: str, annotations: Mapping[str, str]) -> None:
+    """Merge ``annotations`` into this trainer pod's own."""
     from lockstep_workers.agent import pod_api
 
-    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": {keys.OUTPUT: document(output)}}})
+    pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": dict(annotations)}})
 
 
 def step_reports(step: int, metrics: Mapping[str, float]) -> tuple[Mismatch | None, EvalResult | None]:
