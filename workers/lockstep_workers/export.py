@@ -27,7 +27,7 @@ import torch
 
 from lockstep.api import DType
 from lockstep_workers import lora
-from lockstep_workers.weights import fsync_directory, tensors, version_path
+from lockstep_workers.weights import digest_of, fsync_directory, tensors, version_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -44,11 +44,7 @@ def directory_digest(directory: Path) -> str:
     """sha256:<hex> over ``directory``: one line "<relative path> <file's sha256>" per file, sorted by path."""
     lines = []
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        sha = hashlib.sha256()
-        with path.open("rb") as stream:
-            for block in iter(lambda: stream.read(1 << 20), b""):
-                sha.update(block)
-        lines.append(f"{path.relative_to(directory).as_posix()} {sha.hexdigest()}\n")
+        lines.append(f"{path.relative_to(directory).as_posix()} {digest_of(path).removeprefix('sha256:')}\n")
     return "sha256:" + hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
