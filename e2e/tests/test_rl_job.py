@@ -187,8 +187,13 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
     assert {(b.service, b.attributes["lockstep.job"], b.attributes["lockstep.barrier.outcome"]) for b in barriers} == {
         ("lockstep-operator", "tiny", "Completed")
     }
-    phases = {s.name for s in collector.spans() if s.parent_id in {b.span_id for b in barriers}}
-    assert {"lockstep.barrier.update", "lockstep.barrier.resume"} <= phases, phases
+    children = [s for s in collector.spans() if s.parent_id in {b.span_id for b in barriers}]
+    assert {"lockstep.barrier.update", "lockstep.barrier.resume"} <= {s.name for s in children}, children
+    members = [s for s in children if s.name == "lockstep.barrier.member"]
+    assert len(members) == len(barriers), "the one actor is one member of each update"
+    assert {m.attributes["k8s.pod.name"] for m in members} == {"tiny-actor-0"}
+    member_steps = {s.name for s in collector.spans() if s.parent_id in {m.span_id for m in members}}
+    assert member_steps == {f"lockstep.barrier.member.{step}" for step in ("stage", "pause", "load", "resume")}
     assert versions(steps, "lockstep.step.number") == list(range(1, 7))
     assert {s.service for s in steps} == {"lockstep-trainer"}
 

@@ -163,7 +163,8 @@ class Shell:
         metrics.record(*key, before, plan.status)
         if self.tracer is not None:
             for closed in barrier.closed_since(before.barrier_history, plan.status.barrier_history):
-                if (span := tracing.barrier_span(*key, closed)) is not None:
+                acks = tracing.barrier_acks(observed.pods, closed.id)
+                if (span := tracing.barrier_span(*key, closed, acks)) is not None:
                     tracing.emit(self.tracer, span)
 
     def _requeue(self, key: JobKey, job: dict[str, Any], outcome: Outcome) -> None:

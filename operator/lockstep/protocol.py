@@ -85,6 +85,22 @@ class Command(Model):
     retry: int = Field(0, description="how often this phase was asked again of this member after it reported an error")
 
 
+class MemberStep(StrEnum):
+    """What a member does in a barrier, in this order: stage the version (generating still), pause, load it, resume."""
+
+    STAGE = "stage"
+    PAUSE = "pause"
+    LOAD = "load"
+    RESUME = "resume"
+
+
+class StepTimes(Model):
+    """When a member began and ended one step of a barrier, in seconds since the epoch (its own clock)."""
+
+    start: Number = Field(description="when the step began")
+    end: Number = Field(description="when it ended, done or failed")
+
+
 class Ack(Model):
     """``lockstep.dev/barrier-ack``: what a pod says it has done."""
 
@@ -95,6 +111,11 @@ class Ack(Model):
     digest: str | None = Field(None, description="sha256:<hex> of those weights")
     error: str | None = Field(None, description="why the phase failed on this pod; none when it succeeded")
     retry: int = Field(0, description="the retry of the command this ack answers")
+    timings: dict[MemberStep, StepTimes] = Field(
+        default_factory=dict,
+        description="the steps this pod took in this barrier so far, a retried one at its last try; empty from "
+        "agents that predate it (the operator's traces then have no span for the member)",
+    )
 
 
 class Mismatch(Model):

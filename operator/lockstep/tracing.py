@@ -14,8 +14,9 @@ inference requests and agents, not training or weight updates.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -25,8 +26,8 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from lockstep.api import BarrierOutcome, BarrierRecord
-from lockstep.barrier import NEXT_PHASE
-from lockstep.protocol import BarrierPhase
+from lockstep.barrier import NEXT_PHASE, member_of
+from lockstep.protocol import Ack, BarrierPhase, StepTimes, parse_ack
 from lockstep.times import parse_rfc3339
 
 ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -38,6 +39,7 @@ SERVICE = "OTEL_SERVICE_NAME"
 OPERATOR_SERVICE = "lockstep-operator"
 PREFIX = "lockstep"
 BARRIER_SPAN = f"{PREFIX}.barrier"
+MEMBER_SPAN = f"{BARRIER_SPAN}.member"
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,52 @@ def nanoseconds(moment: dt.datetime) -> int:
     return int(moment.timestamp() * 1e9)
 
 
-def barrier_span(namespace: str, job: str, record: BarrierRecord) -> SpanData | None:
+def epoch_nanoseconds(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def barrier_acks(pods: Iterable[dict[str, Any]], barrier_id: str) -> dict[str, Ack]:
+    """The acks of barrier ``barrier_id`` on ``pods``, by pod name (a pod with none, another barrier's or an
+    unreadable one is left out)."""
+    acks: dict[str, Ack] = {}
+    for pod in pods:
+        ack = parse_ack(member_of(pod).ack)
+        if isinstance(ack, Ack) and ack.id == barrier_id:
+            acks[pod["metadata"]["name"]] = ack
+    return acks
+
+
+def member_span(pod: str, ack: Ack) -> SpanData | None:
+    """A member's part in a barrier, from its last ack: a ``lockstep.barrier.member`` span from its first step's
+    start to its last step's end, with ``k8s.pod.name``, the version it holds and its error, and a child per step
+    it timed (``.stage``, ``.pause``, ``.load``, ``.resume``) at the times the pod measured on its own clock. None
+    when the ack times nothing (an agent that predates the timings)."""
+    if not ack.timings:
+        return None
+    steps = sorted(ack.timings.items(), key=lambda item: item[1].start)
+    children = [SpanData(f"{MEMBER_SPAN}.{step.value}", *_span_times(times)) for step, times in steps]
+    attributes: dict[str, AttributeValue] = {"k8s.pod.name": pod, f"{MEMBER_SPAN}.acked": ack.phase}
+    if ack.loaded_version is not None:
+        attributes[f"{PREFIX}.weights.version"] = ack.loaded_version
+    start = min(child.start_ns for child in children)
+    end = max(child.end_ns for child in children)
+    return SpanData(MEMBER_SPAN, start, end, attributes, ack.error, children)
+
+
+def _span_times(times: StepTimes) -> tuple[int, int]:
+    start = epoch_nanoseconds(times.start)
+    return start, max(start, epoch_nanoseconds(times.end))
+
+
+def barrier_span(
+    namespace: str, job: str, record: BarrierRecord, acks: Mapping[str, Ack] | None = None
+) -> SpanData | None:
     """The trace of a closed barrier: a ``lockstep.barrier`` span from its opening to its closing, with a child
     per phase it went through (``lockstep.barrier.pause``, ``.update``, ``.resume``; it opens in Update, in Resume
     when rolling, in Pause when it retries a transfer) back to back at their measured times, and, when it did not
-    complete, the phase after the last it finished, ending when it closed (none when it finished none). None for a
-    record without its closing time."""
+    complete, the phase after the last it finished, ending when it closed (none when it finished none); then a
+    ``member_span`` for each member pod's ack in ``acks`` that times its steps. None for a record without its
+    closing time."""
     if record.finished_at is None:
         return None
     end = nanoseconds(parse_rfc3339(record.finished_at))
@@ -124,4 +166,5 @@ def barrier_span(namespace: str, job: str, record: BarrierRecord) -> SpanData | 
         attributes[f"{BARRIER_SPAN}.reason"] = record.reason
     failed = record.outcome is BarrierOutcome.FAILED
     error = (record.error or "the barrier failed") if failed else None
-    return SpanData(BARRIER_SPAN, start, end, attributes, error, phases)
+    members = [span for pod, ack in sorted((acks or {}).items()) if (span := member_span(pod, ack)) is not None]
+    return SpanData(BARRIER_SPAN, start, end, attributes, error, [*phases, *members])

@@ -10,6 +10,8 @@ from opentelemetry.trace import StatusCode
 
 from lockstep import tracing
 from lockstep.api import BarrierOutcome, BarrierRecord
+from lockstep.keys import BARRIER_ACK
+from lockstep.protocol import Ack, document
 from lockstep.times import parse_rfc3339
 
 CLOSED = "2026-12-04T10:00:10.000Z"
@@ -119,6 +121,83 @@ def test_a_rolling_barrier_is_its_resume_phase_alone() -> None:
 def test_a_record_without_its_closing_time_makes_no_trace() -> None:
     closed = record(BarrierOutcome.COMPLETED, {"Pause": 1.0}).model_copy(update={"finished_at": None})
     assert tracing.barrier_span("team", "job", closed) is None
+
+
+def pod(name: str, ack: dict[str, object] | str) -> dict[str, object]:
+    text = ack if isinstance(ack, str) else document(Ack.model_validate(ack))
+    return {"metadata": {"name": name, "uid": f"uid-{name}", "annotations": {BARRIER_ACK: text}}}
+
+
+def timed(*steps: tuple[str, float, float]) -> dict[str, dict[str, float]]:
+    """Step times ``seconds`` before the barrier closed."""
+    closed = CLOSED_NS / SECOND
+    return {step: {"start": closed - start, "end": closed - end} for step, start, end in steps}
+
+
+def test_each_member_is_a_span_of_its_steps_at_the_times_its_pod_measured() -> None:
+    pods = [
+        pod(
+            "job-actor-0",
+            {
+                "id": "uid/7",
+                "phase": "Resumed",
+                "loadedVersion": 7,
+                "timings": timed(("stage", 6.0, 5.0), ("pause", 5.0, 4.5), ("load", 4.5, 2.0), ("resume", 1.5, 1.0)),
+            },
+        ),
+        pod(
+            "job-actor-1",
+            {
+                "id": "uid/7",
+                "phase": "Updated",
+                "error": "OSError: disk",
+                "timings": timed(("stage", 6.0, 5.5), ("pause", 5.5, 5.0), ("load", 5.0, 3.0)),
+            },
+        ),
+        pod("job-actor-2", {"id": "uid/6", "phase": "Resumed", "timings": timed(("resume", 9.0, 8.0))}),
+        pod("job-actor-3", "{not json"),
+        pod("job-actor-4", {"id": "uid/7", "phase": "Resumed"}),  # an agent that times nothing
+    ]
+    acks = tracing.barrier_acks(pods, "uid/7")
+    assert set(acks) == {"job-actor-0", "job-actor-1", "job-actor-4"}, "another barrier's or unreadable: left out"
+    span = tracing.barrier_span("team", "job", record(BarrierOutcome.FAILED, {"Update": 3.0}), acks)
+    assert span is not None
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.emit(provider.get_tracer("test"), span)
+    finished = exporter.get_finished_spans()
+    root = next(s for s in finished if s.name == "lockstep.barrier")
+    members = {(s.attributes or {})["k8s.pod.name"]: s for s in finished if s.name == "lockstep.barrier.member"}
+    assert set(members) == {"job-actor-0", "job-actor-1"}
+    for member in members.values():
+        assert member.parent is not None and member.parent.span_id == root.context.span_id
+    done, failed = members["job-actor-0"], members["job-actor-1"]
+    assert (done.start_time, done.end_time) == (CLOSED_NS - 6 * SECOND, CLOSED_NS - SECOND)
+    assert dict(done.attributes or {}) == {
+        "k8s.pod.name": "job-actor-0",
+        "lockstep.barrier.member.acked": "Resumed",
+        "lockstep.weights.version": 7,
+    }
+    assert done.status.status_code is StatusCode.UNSET
+    assert failed.status.status_code is StatusCode.ERROR and failed.status.description == "OSError: disk"
+    steps = {
+        (s.name, s.parent.span_id if s.parent else None): (
+            (s.start_time or 0) - CLOSED_NS,
+            (s.end_time or 0) - CLOSED_NS,
+        )
+        for s in finished
+        if s.name.startswith("lockstep.barrier.member.")
+    }
+    assert steps == {
+        ("lockstep.barrier.member.stage", done.context.span_id): (-6 * SECOND, -5 * SECOND),
+        ("lockstep.barrier.member.pause", done.context.span_id): (-5 * SECOND, -SECOND * 9 // 2),
+        ("lockstep.barrier.member.load", done.context.span_id): (-SECOND * 9 // 2, -2 * SECOND),
+        ("lockstep.barrier.member.resume", done.context.span_id): (-SECOND * 3 // 2, -SECOND),
+        ("lockstep.barrier.member.stage", failed.context.span_id): (-6 * SECOND, -SECOND * 11 // 2),
+        ("lockstep.barrier.member.pause", failed.context.span_id): (-SECOND * 11 // 2, -5 * SECOND),
+        ("lockstep.barrier.member.load", failed.context.span_id): (-5 * SECOND, -3 * SECOND),
+    }
 
 
 def test_no_tracer_is_set_up_without_an_endpoint() -> None:

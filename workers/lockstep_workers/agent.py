@@ -10,13 +10,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubernetes import client, config, watch
 
 from lockstep import keys
-from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, TransferGroup, Weights, document, read_document
+from lockstep.protocol import (
+    ACK_FOR,
+    Ack,
+    BarrierPhase,
+    Command,
+    MemberStep,
+    StepTimes,
+    TransferGroup,
+    Weights,
+    document,
+    read_document,
+)
 
 logger = logging.getLogger("lockstep.agent")
 
@@ -59,6 +72,10 @@ class AgentCore:
     """What the last swap took its weights from, held until ``release``: freeing a staged gigabyte takes a tenth
     of a second, which the pause need not wait for."""
     releasing: threading.Thread | None = None
+    timed_barrier: str | None = None
+    """The barrier whose steps ``timings`` holds."""
+    timings: dict[MemberStep, StepTimes] = field(default_factory=dict)
+    """When each step of that barrier began and ended (a retried step: its last try); every ack carries them."""
 
     def start(self, initial: Weights | None) -> None:
         """Load the weights the job had committed when this pod was created, before reporting ready."""
@@ -80,10 +97,12 @@ class AgentCore:
         self.release()
         if self.releasing is not None:
             self.releasing.join()
-        staged = self.engine.stage(weights, group)
+        with self._timed(MemberStep.STAGE):
+            staged = self.engine.stage(weights, group)
         try:
             self._pause()
-            self.engine.swap(staged)
+            with self._timed(MemberStep.LOAD):
+                self.engine.swap(staged)
         except BaseException:
             staged.close()
             raise
@@ -96,6 +115,8 @@ class AgentCore:
         last = self.last_ack
         if last is not None and (last.id, last.phase, last.retry) == (command.id, done, command.retry):
             return last  # carried out already; a new retry of a command that failed is carried out again
+        if command.id != self.timed_barrier:
+            self.timed_barrier, self.timings = command.id, {}
         weights = Weights(version=command.version, uri=command.uri, digest=command.digest)
         error = None
         try:
@@ -110,7 +131,8 @@ class AgentCore:
                 self._swap_in(weights, command.group)
             self._pause()
             if command.phase is BarrierPhase.RESUME:
-                self.engine.resume()
+                with self._timed(MemberStep.RESUME):
+                    self.engine.resume()
                 self.paused = False
         except Exception as failure:  # the operator decides: fail the job or evict this pod
             error = f"{type(failure).__name__}: {failure}"
@@ -128,6 +150,7 @@ class AgentCore:
             digest=self.loaded.digest if self.loaded else None,
             error=error,
             retry=command.retry,
+            timings=dict(self.timings),
         )
         return self.last_ack
 
@@ -138,8 +161,18 @@ class AgentCore:
 
     def _pause(self) -> None:
         if not self.paused:
-            self.engine.pause()
+            with self._timed(MemberStep.PAUSE):
+                self.engine.pause()
             self.paused = True
+
+    @contextlib.contextmanager
+    def _timed(self, step: MemberStep) -> Iterator[None]:
+        """Record when ``step`` of the current barrier began and ended, whether it succeeded or raised."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.timings[step] = StepTimes(start=started, end=time.time())
 
 
 def pod_api() -> client.CoreV1Api:

@@ -349,3 +349,21 @@ def test_a_member_has_resumed_a_version_only_once_it_acked_resumed_for_it() -> N
     assert not agent.resumed(2), "loaded, not resumed yet"
     agent.handle(update.model_copy(update={"phase": BarrierPhase.RESUME}))
     assert agent.resumed(2) and agent.resumed(1) and not agent.resumed(3)
+
+
+def test_every_ack_carries_the_times_of_the_steps_taken_in_its_barrier_a_failed_one_included() -> None:
+    engine = FakeEngine(fail_next="swap")
+    agent = AgentCore(engine)
+    update = Command(id="job/1/1", version=1, uri="u", digest="d", phase=BarrierPhase.UPDATE)
+    failed = agent.handle(update)
+    assert set(failed.timings) == {"stage", "pause", "load"}, "the swap that raised is timed too"
+    updated = agent.handle(update.model_copy(update={"retry": 1}))
+    assert updated.timings["load"].start >= failed.timings["load"].end, "a retried step: its last try"
+    resumed = agent.handle(update.model_copy(update={"phase": BarrierPhase.RESUME}))
+    steps = sorted(resumed.timings.items(), key=lambda item: item[1].start)
+    assert [step for step, _ in steps] == ["pause", "stage", "load", "resume"], "paused once, before the retry"
+    assert all(times.start <= times.end for _, times in steps)
+    assert parse_ack(document(resumed)) == resumed, "the timings survive the annotation"
+    nxt = agent.handle(Command(id="job/2/1", version=2, uri="u2", digest="d2", phase=BarrierPhase.RESUME))
+    assert set(nxt.timings) == {"stage", "pause", "load", "resume"}
+    assert nxt.timings["stage"].start >= resumed.timings["resume"].end, "a new barrier starts with no times"
