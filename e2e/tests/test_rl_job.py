@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from mlflow.tracking import MlflowClient
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -119,14 +120,15 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
 ) -> None:
     """The text task: the repository's jsonl dataset through the model's chat template, math_exact_match, an
     evaluation before step 1 and step 6; each completion recorded with its prompt, row and reward. The trained model
-    is written to spec.output (every 3 steps and at the end), the run to TensorBoard (spec.trainer.tracking), and a
-    real OpenTelemetry Collector receives a trace of each weight update from the operator and of each step from the
-    trainer (the chart's operator.tracing.otlpEndpoint, which the operator passes on to the trainer)."""
+    is written to spec.output (every 3 steps and at the end), the run to TensorBoard and MLflow (spec.trainer.tracking),
+    and a real OpenTelemetry Collector receives a trace of each weight update from the operator, with its member, and
+    of each step from the trainer (the chart's operator.tracing.otlpEndpoint, which the operator passes on to the
+    trainer)."""
     models = tmp_path / "models"
     writes = {
         "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "DirectoryOrCreate"}}],
         "volumeMounts": [{"name": "models", "mountPath": str(models)}],
-        "tracking": {"tensorboard": True},
+        "tracking": {"tensorboard": True, "mlflow": {}},
     }
     result = run_tiny_rl_job(
         cluster,
@@ -169,6 +171,13 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
     run = EventAccumulator(str(tracking.run_directory(recorded.parent)))
     run.Reload()
     assert [e.step for e in run.Scalars("reward")] == list(range(1, 7)), "every step in TensorBoard"
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{recorded.parent / tracking.MLFLOW_STORE}")
+    experiment = mlflow.get_experiment_by_name(f"{namespace}/tiny")
+    assert experiment is not None, "the job's experiment, named after it"
+    (tracked,) = mlflow.search_runs([experiment.experiment_id])
+    assert (tracked.info.run_name, tracked.info.status) == ("tiny", "FINISHED")
+    assert [m.step for m in mlflow.get_metric_history(tracked.info.run_id, "reward")] == list(range(1, 7))
+    assert tracked.data.tags[tracking.MLFLOW_FINGERPRINT_TAG] == tracked.data.params["fingerprint"]
 
     def traced(name: str) -> list[Span]:
         return [s for s in collector.spans() if s.name == name and s.attributes.get("k8s.namespace.name") == namespace]

@@ -348,6 +348,13 @@ LOCKED_ENV_RULE = cel(
     message_expression=f"self + '{environment.LOCKED_ENV_WHY}'",
 )
 """The job's env may not change vLLM's numerics or the code a worker runs (``environment.locked_env``)."""
+CREDENTIAL_ENV_RULE = cel(
+    f"!(self.name in {_cel_strings(environment.CREDENTIAL_NAMES)}) || !has(self.value)",
+    "this variable is a credential: take it from a Secret (valueFrom.secretKeyRef), never inline",
+    field_path=".value",
+    message_expression=f"self.name + '{environment.CREDENTIAL_WHY}'",
+)
+"""An experiment tracker's credential comes from a Secret (``environment.CREDENTIAL_NAMES``)."""
 
 
 def _reserved_mount_cel() -> str:
@@ -411,6 +418,8 @@ class Resources(Model):
 
 class EnvVar(Model):
     """An environment variable of the role's container, as in a pod: a value, or valueFrom a source."""
+
+    model_config = ConfigDict(json_schema_extra=validations(CREDENTIAL_ENV_RULE))
 
     name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=MAX_NAME_LENGTH)] = Field(
         description="The variable's name; not one the operator sets (LOCKSTEP_*, POD_NAME, POD_NAMESPACE, and the "
@@ -1018,6 +1027,26 @@ class LoraSettings(Model):
     )
 
 
+MLFLOW_URI_PATTERN = r"^(https?://\S+|databricks(://\S+)?)$"
+
+
+class MlflowTracking(Model):
+    """One MLflow run for the job (docs/observability.md#experiment-tracking): every step's metrics, its
+    evaluations, and its effective configuration as parameters."""
+
+    tracking_uri: Annotated[str, Field(pattern=MLFLOW_URI_PATTERN)] | None = Field(
+        None,
+        description="An MLflow tracking server: http://, https:// or databricks. Its credentials come from a "
+        "Secret through spec.trainer.env (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD, with valueFrom.secretKeyRef; an inline value of a credential is refused). "
+        "Default: unset, a store in the job's directory on spec.weightSync.volume, mlflow.db beside metrics.jsonl "
+        "with the artifacts in mlflow-artifacts/ (no server: `mlflow ui --backend-store-uri sqlite:///<dir>/mlflow.db`).",
+    )
+    experiment: Annotated[str, Field(min_length=1, max_length=500)] | None = Field(
+        None, description="The MLflow experiment, created when missing. Default: <namespace>/<job name>."
+    )
+
+
 class Tracking(Model):
     """Experiment tracking of the trainer's run (docs/observability.md), beside metrics.jsonl and Prometheus."""
 
@@ -1028,6 +1057,13 @@ class Tracking(Model):
         "metrics.jsonl's names, each evaluation's eval_reward, and the effective configuration with its fingerprint "
         "at the step each trainer starts from. A restarted trainer goes on with the same run. Needs the tensorboard "
         "package in the trainer's image (lockstep[workers] has it). Default: false.",
+    )
+    mlflow: MlflowTracking | None = Field(
+        None,
+        description="Log the run to MLflow through its own client: every step's metrics under metrics.jsonl's "
+        "names, at the step's number; the effective configuration as parameters, with its fingerprint as a tag and "
+        "each trainer's start's configuration as an artifact. A restarted trainer resumes the same run. Needs "
+        "mlflow-skinny in the trainer's image (lockstep[workers] has it). Default: unset, no MLflow.",
     )
 
 

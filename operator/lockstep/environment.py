@@ -116,6 +116,9 @@ CODE_PATH_NAMES = ("PYTHONPATH", "PYTHONHOME")
 """Variables that choose the Python code a worker runs (the images set PYTHONPATH to lockstep_workers' source): a
 job's own would run other code than the image's, behind the parity lock."""
 
+CREDENTIAL_NAMES = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_TOKEN")
+"""The experiment trackers' credentials (spec.trainer.tracking): a job takes them from a Secret, never inline."""
+
 
 RESERVED_ENV_WHY = (
     f" is set by the Lockstep operator itself (it sets every {RESERVED_PREFIX}* variable and "
@@ -170,3 +173,10 @@ def reserved_mount(path: str) -> bool:
     absolute = path if path.startswith("/") else f"/{path}"
     unclean = any(part in absolute for part in UNCLEAN_PATH_PARTS) or absolute.endswith(UNCLEAN_PATH_ENDINGS)
     return unclean or any(absolute == root or absolute.startswith(root + "/") for root in RESERVED_MOUNTS)
+
+
+CREDENTIAL_WHY = (
+    " is a credential: take it from a Secret (valueFrom.secretKeyRef), never as a value written in the RLJob, which "
+    "anyone who can read the job reads"
+)
+"""Why a credential's inline value is refused, after its name."""

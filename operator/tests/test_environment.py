@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from factories import NOW, REWARD, job, policy, running
 from lockstep import api, environment
-from lockstep.cli import _cel_errors
+from lockstep.cli import _cel_errors, schema_errors
 from lockstep.conditions import READY, find
 from lockstep.reconcile import Observed, reconcile
 from lockstep.schema import structural_schema
@@ -160,3 +161,13 @@ def test_the_crd_and_the_operator_refuse_the_same_numerics_and_code_variables(na
     assert bool(errors) == environment.locked_env(name), name
     if errors:
         assert errors == [f'spec.actors.env[0].name: Invalid value: "{name}": {name}{environment.LOCKED_ENV_WHY}']
+
+
+@pytest.mark.parametrize("name", environment.CREDENTIAL_NAMES)
+def test_a_trackers_credential_is_refused_inline_and_taken_from_a_secret(name: str) -> None:
+    inline = {"name": name, "value": "s3cret"}
+    from_secret = {"name": name, "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}}}
+    for role in ("actors", "trainer"):
+        errors = schema_errors(job(**{role: {**job()["spec"][role], "env": [from_secret, inline]}})["spec"])
+        assert errors == [f"spec.{role}.env[1].value: Invalid value: {name}{environment.CREDENTIAL_WHY}"]
+    assert schema_errors(job(trainer={**job()["spec"]["trainer"], "env": [from_secret]})["spec"]) == []

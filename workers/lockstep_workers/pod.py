@@ -28,7 +28,7 @@ from lockstep_workers.weights import weights_directory
 
 if TYPE_CHECKING:
     from lockstep_workers.agent import AgentCore
-    from lockstep_workers.tracking import TensorBoardRun
+    from lockstep_workers.tracking import Runs
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -145,6 +145,8 @@ class PodEnvironment:
     """Which of the pod's GPUs this rank uses."""
     actors_service: str | None = None
     """The job's actor Service, whose EndpointSlices list the actors."""
+    job: str | None = None
+    """The RLJob's name; none outside an RLJob's pod."""
 
     @property
     def weights_dir(self) -> Path:
@@ -187,6 +189,7 @@ class PodEnvironment:
             weights_group_port=int(environ.get(environment.WEIGHTS_GROUP_PORT, "0")),
             local_rank=int(environ.get(environment.LOCAL_RANK, "0")),
             actors_service=environ.get(environment.ACTORS_SERVICE) or None,
+            job=environ.get(environment.JOB),
         )
 
 
@@ -265,16 +268,16 @@ def record(
     step: int,
     seconds: float,
     metrics: Mapping[str, float],
-    tensorboard: TensorBoardRun | None = None,
+    tracking: Runs | None = None,
 ) -> None:
-    """Append the step to metrics.jsonl (and log the same line to ``tensorboard``, spec.trainer.tracking) and set
+    """Append the step to metrics.jsonl (and log the same line to the ``tracking`` runs, spec.trainer.tracking) and set
     its gauges; the on-policy mismatch of a step that measured none is null there (left out of TensorBoard) and NaN
     in its gauge."""
     line = {"step": step, "version": step, "seconds": round(seconds, 3), ONPOLICY_MISMATCH: None, **metrics}
     with env.metrics_file.open("a") as stream:
         stream.write(json.dumps(line) + "\n")
-    if tensorboard is not None:
-        tensorboard.log(step, line)
+    if tracking is not None:
+        tracking.log(step, line)
     for name, gauge in GAUGES.items():
         if name in metrics:
             gauge.set(metrics[name])

@@ -71,7 +71,7 @@ from lockstep_workers.pod import (
 from lockstep_workers.rollouts import Actors, ActorService, discovery
 from lockstep_workers.scoring import RewardInput, Scorer, Scores, load_callable
 from lockstep_workers.shaping import masked_if_cut, overlong_metrics, penalties
-from lockstep_workers.tracking import TensorBoardRun
+from lockstep_workers.tracking import Runs, open_runs
 from lockstep_workers.transfer import manifest_uri
 from lockstep_workers.weights import (
     Publisher,
@@ -461,15 +461,13 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     # the rollout producer from the first position of the first step.
     sending: Sending | None = None
     producer: RolloutProducer | None = None
-    tensorboard: TensorBoardRun | None = None
+    tracking: Runs | None = None
     tracer: Tracer | None = None
     if leader:
         tracer = tracing.tracer(os.environ, traces.TRAINER_SERVICE)
         if env.metrics_port:
             start_http_server(env.metrics_port)
-        if settings.tracking.tensorboard:
-            assert env.shared_dir is not None
-            tensorboard = TensorBoardRun(env.shared_dir, resumed.first_step, config)
+        tracking = open_runs(settings.tracking, env.shared_dir, resumed.first_step, config, env.job, env.namespace)
         if env.weight_sync.collective:
             sending = Sending(env)
         if resumed.announce_again is not None and env.pod and env.namespace:
@@ -490,6 +488,7 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
         score = functools.partial(score_group, prompts, scorer, rollout)
         producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)
         producer.start()
+    finished = False
     try:
         _steps(
             settings,
@@ -502,14 +501,15 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             learning_rates,
             budget,
             model_path,
-            tensorboard,
+            tracking,
             tracer,
         )
+        finished = True
     finally:
         if producer is not None:
             producer.close()
-        if tensorboard is not None:
-            tensorboard.close()
+        if tracking is not None:
+            tracking.close(finished)
     if sending is not None:
         logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
         actors.wait_for_version(settings.steps)
@@ -528,11 +528,11 @@ def _steps(
     learning_rates: torch.optim.lr_scheduler.LRScheduler,
     budget: float,
     model_path: str,
-    tensorboard: TensorBoardRun | None = None,
+    tracking: Runs | None = None,
     tracer: Tracer | None = None,
 ) -> None:
     """The steps from ``first_step``, on every rank (``learning_rates`` at ``first_step``'s rate); rank 0 (with the
-    ``producer``) takes, publishes, records (also to ``tensorboard``, and each step's trace to ``tracer``), and
+    ``producer``) takes, publishes, records (also to the ``tracking`` runs, and each step's trace to ``tracer``), and
     writes spec.output when due."""
     rollout = settings.rollout
     every = settings.eval.every_steps
@@ -644,7 +644,7 @@ def _steps(
                 seconds,
                 budget,
                 then,
-                tensorboard,
+                tracking,
                 trace,
             )
             publisher.start(step, work)
@@ -676,12 +676,12 @@ def _publish_and_announce(
     seconds: float,
     budget: float,
     then: Callable[[], object] | None = None,
-    tensorboard: TensorBoardRun | None = None,
+    tracking: Runs | None = None,
     trace: tuple[Tracer, float, dict[str, float]] | None = None,
 ) -> None:
     """Rank 0, in the background: publish ``whole`` (its header carrying ``metadata``) as version ``step``, announce
     it and the step's mismatch on the pod, record the step (``seconds``: its time on the trainer's path; also to
-    ``tensorboard``, and with ``trace``, the tracer, when the step started and when its parts did, its trace), log
+    the ``tracking`` runs, and with ``trace``, the tracer, when the step started and when its parts did, its trace), log
     it; then run ``then`` (spec.output's write, when due)."""
     publish_started = time.time()
     publishing = time.monotonic()
@@ -691,7 +691,7 @@ def _publish_and_announce(
     if env.pod and env.namespace:
         mismatch, evaluation = step_reports(step, metrics)
         announce(_as_announced(env, weights), env.namespace, env.pod, mismatch, evaluation)
-    record(env, step, seconds, metrics, tensorboard)
+    record(env, step, seconds, metrics, tracking)
     if trace is not None:
         tracer, started, starts = trace
         starts = {**starts, "publish": publish_started}

@@ -27,6 +27,7 @@ from lockstep.api import (
     Evaluation,
     LoraSettings,
     MismatchBudget,
+    MlflowTracking,
     ModelSource,
     Objective,
     OptimizerSettings,
@@ -897,7 +898,7 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
                 train=str(shipped / "train.jsonl"), eval=str(shipped / "eval.jsonl"), reward_fields=["answer"]
             ),
             "eval": Evaluation(every_steps=2, prompts=5),
-            "tracking": Tracking(tensorboard=True),
+            "tracking": Tracking(tensorboard=True, mlflow=MlflowTracking()),
         }
     )
     model = text_task.create_model(tmp_path / "model")
@@ -928,6 +929,13 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
         (r["step"], pytest.approx(r["reward"])) for r in resumed
     ], "one TensorBoard run through the restart, as metrics.jsonl"
     assert [e.step for e in run.Scalars("eval_reward")] == [1, 3]
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'resumed' / 'mlflow.db'}")
+    (tracked,) = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()])
+    assert tracked.info.status == "FINISHED", "one MLflow run through the restart, finished by the second trainer"
+    history = mlflow.get_metric_history(tracked.info.run_id, "reward")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["reward"])) for r in resumed]
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["v000002", "v000004"]
     assert_same_weights(
         load_file(str(tmp_path / "models" / "v000004" / "model.safetensors")), published(tmp_path / "straight", 4)
