@@ -9,6 +9,11 @@ module computes (its kernel applied to one-hot inputs, which returns those colum
 tensors, fused ones concatenated as vLLM stacks them (and their biases, whole); every other parameter the file
 names is compared whole. A difference raises LoadMismatch naming the module. It reads only the probed columns of
 the file (and the biases), and costs one small product per module.
+
+With tensor parallelism each worker holds a shard of most modules, and checks that shard: the rows of each published
+tensor it holds (column-parallel modules, fused ones per part, a vocabulary-parallel embedding or head) or the
+columns (row-parallel ones), as vLLM's own attributes on the module say (``shard_of``). The CPU backend empties a
+linear module's parameter, so the module, not its weight's shape, says what the worker holds.
 """
 
 from __future__ import annotations
@@ -22,6 +27,41 @@ from safetensors import safe_open
 
 PROBE_COLUMNS = 4
 """Columns of each weight matrix checked: a stale or half-loaded matrix differs in nearly every column."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one worker holds of a module's published tensors: rows ``[start, stop)`` of each, stacked in order, and
+    columns ``[start, stop)`` of all."""
+
+    rows: list[tuple[int, int]]
+    columns: tuple[int, int]
+
+
+def shard_of(module: Any, shapes: list[tuple[int, int]]) -> Shard:
+    """The shard of the published tensors of ``shapes`` (stacked as vLLM stacks them) that ``module`` holds, from
+    vLLM's attributes on it: ``tp_rank``/``tp_size``; a vocabulary-parallel embedding's ``shard_indices``; a
+    row-parallel module's ``input_size_per_partition``; a column-parallel one's ``output_partition_sizes``, one per
+    tensor (a key or value projection with fewer heads than ranks: ranks share a shard, as vLLM replicates it)."""
+    width = shapes[0][1]
+    whole = Shard([(0, shape[0]) for shape in shapes], (0, width))
+    size, rank = getattr(module, "tp_size", 1), getattr(module, "tp_rank", 0)
+    if size == 1:
+        return whole
+    indices = getattr(module, "shard_indices", None)
+    if indices is not None:
+        return Shard([(indices.org_vocab_start_index, indices.org_vocab_end_index)], (0, width))
+    per_rank_columns = getattr(module, "input_size_per_partition", width)
+    if per_rank_columns < width:
+        return Shard(whole.rows, (rank * per_rank_columns, (rank + 1) * per_rank_columns))
+    partitions = getattr(module, "output_partition_sizes", None)
+    if partitions is None or len(partitions) != len(shapes):
+        partitions = [shape[0] // size for shape in shapes]
+    rows = []
+    for (total, _), per_rank in zip(shapes, partitions, strict=True):
+        shard = rank * (total // per_rank) // size  # ranks that share a replicated shard read the same rows
+        rows.append((shard * per_rank, (shard + 1) * per_rank))
+    return Shard(rows, (0, width))
 
 
 class LoadMismatch(RuntimeError):
@@ -81,13 +121,18 @@ def check_loaded(model: torch.nn.Module, path: Path, tied: list[list[str]]) -> L
             sources = _published_names(module_name, packed, tied_to, names)
             if sources is None:
                 continue
-            shapes = [published.get_slice(name).get_shape() for name in sources]
-            rows, width = sum(shape[0] for shape in shapes), shapes[0][1]
-            if weight.ndim == 2 and (width != weight.shape[1] or rows > weight.shape[0]):
-                continue  # a tensor-parallel shard: this worker holds part of it
+            shapes = [tuple(published.get_slice(name).get_shape()) for name in sources]
+            shard = shard_of(module, shapes)
+            first, last = shard.columns
+            rows, width = sum(stop - start for start, stop in shard.rows), last - first
+            if weight.ndim == 2 and weight.numel() and (width != weight.shape[1] or rows > weight.shape[0]):
+                continue  # sharded in a way shard_of does not know: left unchecked, reported
             columns = sorted({round(i * (width - 1) / max(PROBE_COLUMNS - 1, 1)) for i in range(PROBE_COLUMNS)})
-            expected = torch.cat(  # only the probed columns are read, not the whole tensors
-                [torch.cat([published.get_slice(name)[:, j : j + 1] for j in columns], dim=1) for name in sources]
+            expected = torch.cat(  # only the probed rows and columns are read, not the whole tensors
+                [
+                    torch.cat([published.get_slice(name)[start:stop, first + j : first + j + 1] for j in columns], 1)
+                    for name, (start, stop) in zip(sources, shard.rows, strict=True)
+                ]
             )
             _check_module(module_name, module, weight, expected, columns, width, sources)
             checked.update(sources)
@@ -95,8 +140,13 @@ def check_loaded(model: torch.nn.Module, path: Path, tied: list[list[str]]) -> L
             biases = [name.removesuffix(".weight") + ".bias" for name in sources]
             bias = getattr(module, "bias", None)
             if isinstance(bias, torch.Tensor) and all(name in names for name in biases):
-                published_bias = torch.cat([published.get_tensor(name) for name in biases]).to(bias.dtype)
-                if bias.shape == published_bias.shape:  # else a tensor-parallel shard
+                published_bias = torch.cat(  # a row-parallel module's bias is whole: its shard has every row
+                    [
+                        published.get_slice(name)[start:stop]
+                        for name, (start, stop) in zip(biases, shard.rows, strict=True)
+                    ]
+                ).to(bias.dtype)
+                if bias.shape == published_bias.shape:  # else sharded in a way shard_of does not know
                     if not torch.equal(bias.detach(), published_bias):
                         raise LoadMismatch(f"{module_name}: its bias is not the published {' + '.join(biases)}")
                     checked.update(biases)
