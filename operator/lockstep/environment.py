@@ -86,6 +86,15 @@ MANIFEST_PORT = 9500
 lockstep_workers.transfer)."""
 TRANSFER_GROUP_PORT = 9501
 """Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0 (``WEIGHTS_GROUP_PORT``)."""
+GROUP_RENDEZVOUS_PORT = 29510
+"""Actor groups: torch.distributed's rendezvous of the engine's ranks, on the group's leader (vLLM's master_port)."""
+GROUP_ENGINES_PORT = 29511
+"""Actor groups with data parallelism: the leader's handshake with the other pods' engines (vLLM's
+data_parallel_rpc_port)."""
+GROUP_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+"""Actor groups: the leader pod's address, which LeaderWorkerSet sets in every pod of a group."""
+GROUP_WORKER_INDEX = "LWS_WORKER_INDEX"
+"""Actor groups: the pod's place in its group, 0 for the leader, which LeaderWorkerSet sets in every pod."""
 
 
 VLLM_PREFIX = "VLLM_"

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 
 from lockstep import environment
 from lockstep.api import (
+    ActorGroup,
     MismatchBudget,
     ModelSource,
     Output,
@@ -83,11 +84,15 @@ class ActorArgs:
     model: str
     port: int
     vllm: VllmSettings
+    group: ActorGroup | None = None
+    """spec.actors.group: how the engine is split over the pods of the actor's group; None, one pod."""
 
 
-def actor_args(model: str, port: int, settings: VllmSettings) -> list[str]:
-    """The actor's arguments: ``--model``, ``--port`` and ``vllm_flags(settings)``."""
-    return [f"--model={model}", f"--port={port}", *vllm_flags(settings)]
+def actor_args(model: str, port: int, settings: VllmSettings, group: ActorGroup | None = None) -> list[str]:
+    """The actor's arguments: ``--model``, ``--port``, ``vllm_flags(settings)`` and, for a group's pods (the leader's
+    actor and the workers' lockstep_workers.headless alike), ``--group`` with its JSON."""
+    split = [f"--group={group.model_dump_json(by_alias=True)}"] if group is not None else []
+    return [f"--model={model}", f"--port={port}", *vllm_flags(settings), *split]
 
 
 def vllm_flags(settings: VllmSettings) -> list[str]:
@@ -114,6 +119,7 @@ def parse_actor_args(args: Sequence[str] | None = None) -> ActorArgs:
     )
     parser.add_argument("--model", required=True, help="path of the model to serve")
     parser.add_argument("--port", type=int, default=environment.ACTOR_PORT)
+    parser.add_argument("--group", type=_group, help="spec.actors.group, as JSON")
     for name, field in VllmSettings.model_fields.items():
         flag = _flag(field.alias or name)
         kinds = {get_origin(kind) or kind for kind in get_args(field.annotation) or (field.annotation,)}
@@ -133,7 +139,15 @@ def parse_actor_args(args: Sequence[str] | None = None) -> ActorArgs:
         settings = VllmSettings.model_validate(given)
     except ValidationError as error:
         parser.error(_fields(error, _flag))
-    return ActorArgs(options.model, options.port, settings)
+    return ActorArgs(options.model, options.port, settings, options.group)
+
+
+def _group(text: str) -> ActorGroup:
+    """``--group``'s JSON, or an argparse error naming each field that does not fit."""
+    try:
+        return ActorGroup.model_validate_json(text)
+    except ValidationError as error:
+        raise argparse.ArgumentTypeError(f"not a spec.actors.group ({_fields(error)})") from None
 
 
 def _flag(name: str) -> str:

@@ -48,6 +48,7 @@ from lockstep.podconfig import ActorArgs, PodConfig, load_pod_config, parse_acto
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id, base_adapter
 from lockstep_workers.architectures import UnsupportedArchitecture, check_architecture
+from lockstep_workers.group import node_of, placement
 from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
 from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
@@ -99,12 +100,14 @@ def engine_args(
     applied: AppliedSettings,
     backend: WeightSyncBackend = WeightSyncBackend.FILESYSTEM,
     lora: LoraEngine | None = None,
+    placement: dict[str, Any] | None = None,
 ) -> Any:
     """vLLM's AsyncEngineArgs for the applied settings, with the weight-reload extension, for a collective backend
-    vLLM's weight-transfer engine, and for a LoRA job vLLM's LoRA adapters."""
+    vLLM's weight-transfer engine, for a LoRA job vLLM's LoRA adapters, and for a pod of an actor group its
+    ``placement`` (lockstep_workers.group)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kwargs: dict[str, Any] = dict(applied.engine_args)
+    kwargs: dict[str, Any] = dict(applied.engine_args) | (placement or {})
     if backend.collective:
         kwargs["weight_transfer_config"] = {"backend": VLLM_ENGINE[backend]}
     if lora is not None:
@@ -336,6 +339,11 @@ def lora_engine(config: PodConfig | None) -> LoraEngine | None:
     return LoraEngine(config.training.lora, config.training.max_lag)
 
 
+def backend_of(environ: Mapping[str, str]) -> WeightSyncBackend:
+    """How the job's weights reach the actors (the operator sets it in the pod's environment)."""
+    return WeightSyncBackend(environ.get(environment.WEIGHT_SYNC, WeightSyncBackend.FILESYSTEM))
+
+
 def weights_origin(backend: WeightSyncBackend, environ: Mapping[str, str]) -> WeightsOrigin:
     """Where this actor pod accepts weights from, as the operator sets it in the pod's environment: the job's
     weights directory (filesystem), or trainer rank 0's manifest server (nccl, gloo)."""
@@ -427,11 +435,11 @@ async def serve(options: ActorArgs, applied: AppliedSettings) -> None:
 
     config = load_pod_config(os.environ)
     update = config.weight_update if config is not None else WeightUpdateSemantics()
-    backend = WeightSyncBackend(os.environ.get(environment.WEIGHT_SYNC, WeightSyncBackend.FILESYSTEM))
+    backend = backend_of(os.environ)
     in_pod = bool(os.environ.get(environment.POD_NAME))
     origin = weights_origin(backend, os.environ) if in_pod else None
     lora = lora_engine(config)
-    llm = AsyncLLM.from_engine_args(engine_args(options.model, applied, backend, lora))
+    llm = AsyncLLM.from_engine_args(engine_args(options.model, applied, backend, lora, leader_placement(options)))
     actor = Actor(llm, pause_mode=update.pause_mode, clear_cache=update.clear_cache, backend=backend, lora=lora)
     logger.info(
         "vLLM is up with %s; weights arrive by %s%s",
@@ -465,6 +473,20 @@ async def serve(options: ActorArgs, applied: AppliedSettings) -> None:
         llm.shutdown()
 
 
+def leader_placement(options: ActorArgs) -> dict[str, Any] | None:
+    """An actor group's engine arguments for its leader, where the actor runs; None for a single-pod actor. Exits
+    on a worker pod, which runs lockstep_workers.headless instead."""
+    if options.group is None:
+        return None
+    node = node_of(os.environ, options.group)
+    if node.rank != 0:
+        raise SystemExit(
+            f"{environment.GROUP_WORKER_INDEX}={node.rank}: the actor runs on its group's leader (index 0); the "
+            "group's other pods run python -m lockstep_workers.headless with the same arguments"
+        )
+    return placement(options.group, node)
+
+
 def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOrigin) -> Any:
     from lockstep_workers.agent import AgentCore, PodAgent, pod_api
 
@@ -474,7 +496,9 @@ def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOri
     )
 
 
-def main() -> None:
+def command_line() -> tuple[ActorArgs, AppliedSettings]:
+    """The actor's command line (also a group's worker pods'), its settings mapped onto the installed vLLM; exits
+    saying why when vLLM cannot honour a setting or serve the model's architecture."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = parse_actor_args()
     try:
@@ -482,6 +506,11 @@ def main() -> None:
         check_architecture(options.model)
     except (UnsupportedSetting, UnsupportedArchitecture) as refused:
         raise SystemExit(f"the actor does not start: {refused}") from None
+    return options, applied
+
+
+def main() -> None:
+    options, applied = command_line()
     asyncio.run(serve(options, applied))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +19,9 @@ from typing import Any
 
 import psutil
 import pytest
+
+from lockstep import environment
+from lockstep.api import ActorGroup
 
 pytestmark = pytest.mark.vllm
 
@@ -114,9 +118,14 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
 
 
 @contextmanager
-def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
+def actor_process(
+    tmp_path: Path, group: ActorGroup | None = None
+) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
     """``python -m lockstep_workers.actor`` on a tiny model with the arguments the operator renders under the
-    default policy; yields its URL, its model and the process once it reports ready (its log: ``actor.log``)."""
+    default policy; yields its URL, its model and the process once it reports ready (its log: ``actor.log``). With
+    ``group``, the actor is the leader of a group whose other pods run ``lockstep_workers.headless`` with the same
+    arguments, as processes on this host (their logs: ``worker-<index>.log``), told their place as LeaderWorkerSet
+    tells its pods."""
     from lockstep.api import VllmSettings
     from lockstep.parity import default_policy, settings_dict
     from lockstep.podconfig import actor_args
@@ -132,15 +141,36 @@ def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[
         "maxModelLen": 256,
         "gpuMemoryUtilization": 0.2,
     }
-    args = actor_args(str(model_dir), port, VllmSettings.model_validate(vllm))
+    args = actor_args(str(model_dir), port, VllmSettings.model_validate(vllm), group)
     argv = [sys.executable, "-m", "lockstep_workers.actor", *args]
+    placed = {environment.GROUP_LEADER_ADDRESS: "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lockstep_workers.headless", *args],
+            stdout=(tmp_path / f"worker-{index}.log").open("w"),
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                **placed,
+                environment.GROUP_WORKER_INDEX: str(index),
+                "CUDA_VISIBLE_DEVICES": str(index),
+            },
+        )
+        for index in range(1, group.pods if group else 1)
+    ]
+    # Each process sees a GPU of its own where there are GPUs (e2e/gpu/group_check.sh), as each pod would.
+    leader = (
+        {**os.environ, **placed, environment.GROUP_WORKER_INDEX: "0", "CUDA_VISIBLE_DEVICES": "0"} if group else None
+    )
     with (tmp_path / "actor.log").open("w") as log:
-        actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=leader)
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 240
             while True:
                 assert actor.poll() is None, (tmp_path / "actor.log").read_text()[-3000:]
+                for index, worker in enumerate(workers, start=1):
+                    assert worker.poll() is None, (tmp_path / f"worker-{index}.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the actor did not become ready"
                 try:
                     with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
@@ -151,6 +181,8 @@ def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[
             yield base, model_dir, actor
         finally:
             _stop(actor)
+            for worker in workers:
+                _stop(worker)
 
 
 def _stop(actor: subprocess.Popen[bytes]) -> None:
@@ -294,3 +326,26 @@ def test_sigterm_shuts_the_actor_process_down_cleanly(served: tuple[str, Path, s
     assert actor.wait(timeout=60) == 0, "SIGTERM shuts the actor down cleanly"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"vLLM processes left behind: {alive}"
+
+
+@pytest.mark.timeout(300)
+def test_a_group_of_two_pods_serves_one_engine_split_over_them(tmp_path: Path) -> None:
+    """Issue 36: a leader (the actor, node 0) and a worker (lockstep_workers.headless, node 1) with the same command
+    line run one tensor-parallel engine of 2 ranks, one in each process, as two pods of a group would; it samples
+    with the logprobs the trainer computes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with actor_process(tmp_path, ActorGroup(pods=2, tensor_parallel_size=2)) as (base, model_dir, _):
+        body = {"prompt_token_ids": [1, 10, 11], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
+        request = urllib.request.Request(f"{base}/generate", data=json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            result = json.loads(response.read())
+    worker_log = (tmp_path / "worker-1.log").read_text()
+    assert "headless multiproc executor" in worker_log, worker_log[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = body["prompt_token_ids"] + result["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, 2:-1] / 0.7
+    trainer = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(result["token_ids"])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(result["logprobs"]), trainer, atol=1e-4)
