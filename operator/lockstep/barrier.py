@@ -135,11 +135,16 @@ def announcement_problem(weights: Weights, *, origin: WeightsOrigin, committed: 
     return None
 
 
+def ack_on(pod: dict[str, Any]) -> Ack | str | None:
+    """The ack on ``pod`` (``lockstep.dev/barrier-ack``), why it is unusable, or None when there is none."""
+    return parse_ack(_annotations(pod).get(keys.BARRIER_ACK))
+
+
 def member_of(pod: dict[str, Any], *, reads_initial_weights: bool = True) -> Member:
     """How the barrier sees a running pod: its ack, and the newest version it loaded (its ack, or the initial
     weights it loads at start when ``reads_initial_weights``: from files, not with a collective backend)."""
     annotations = _annotations(pod)
-    ack = parse_ack(annotations.get(keys.BARRIER_ACK))
+    ack = ack_on(pod)
     loaded = ack.loaded_version if isinstance(ack, Ack) else None
     if loaded is None and reads_initial_weights:
         initial = read_document(annotations.get(keys.INITIAL_WEIGHTS), Weights)

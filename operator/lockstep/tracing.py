@@ -26,8 +26,8 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from lockstep.api import BarrierOutcome, BarrierRecord
-from lockstep.barrier import NEXT_PHASE, member_of
-from lockstep.protocol import Ack, BarrierPhase, StepTimes, parse_ack
+from lockstep.barrier import NEXT_PHASE, ack_on
+from lockstep.protocol import Ack, BarrierPhase, StepTimes
 from lockstep.times import parse_rfc3339
 
 ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -98,7 +98,7 @@ def barrier_acks(pods: Iterable[dict[str, Any]], barrier_id: str) -> dict[str, A
     unreadable one is left out)."""
     acks: dict[str, Ack] = {}
     for pod in pods:
-        ack = parse_ack(member_of(pod).ack)
+        ack = ack_on(pod)
         if isinstance(ack, Ack) and ack.id == barrier_id:
             acks[pod["metadata"]["name"]] = ack
     return acks

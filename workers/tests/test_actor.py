@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -144,10 +144,11 @@ def actor_process(
     args = actor_args(str(model_dir), port, VllmSettings.model_validate(vllm), group)
     argv = [sys.executable, "-m", "lockstep_workers.actor", *args]
     placed = {environment.GROUP_LEADER_ADDRESS: "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    logs = ExitStack()
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "lockstep_workers.headless", *args],
-            stdout=(tmp_path / f"worker-{index}.log").open("w"),
+            stdout=logs.enter_context((tmp_path / f"worker-{index}.log").open("w")),
             stderr=subprocess.STDOUT,
             env={
                 **os.environ,
@@ -183,6 +184,7 @@ def actor_process(
             _stop(actor)
             for worker in workers:
                 _stop(worker)
+            logs.close()
 
 
 def _stop(actor: subprocess.Popen[bytes]) -> None:
