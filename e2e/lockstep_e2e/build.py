@@ -79,7 +79,17 @@ def build_kueue() -> Path:
 
 def kueue_module() -> Path:
     """Kueue's module source (its CRDs and webhook manifests, config/components/), from the Go module cache."""
-    info = json.loads(_go("mod", "download", "-json", f"sigs.k8s.io/kueue@{KUEUE_VERSION}", cwd=cache_root()))
+    return _module_source(f"sigs.k8s.io/kueue@{KUEUE_VERSION}")
+
+
+def lws_module() -> Path:
+    """LeaderWorkerSet's module source (its CRDs, config/crd/bases/), from the Go module cache."""
+    return _module_source(f"sigs.k8s.io/lws@{LWS_VERSION}")
+
+
+def _module_source(module: str) -> Path:
+    """The source directory of ``module`` (path@version), downloaded into the Go module cache unless it is there."""
+    info = json.loads(_go("mod", "download", "-json", module, cwd=cache_root()))
     return Path(info["Dir"])
 
 

@@ -529,6 +529,11 @@ class ActorGroup(Model):
         "tensor-parallel slicing them (vLLM's --enable-expert-parallel). Default: false.",
     )
 
+    @property
+    def ranks(self) -> int:
+        """The group's vLLM workers, over all its pods: tensor x pipeline x data parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
 
 GROUP_NOT_RECONCILED_RULE = cel(
     "!has(self.group)",

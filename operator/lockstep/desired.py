@@ -257,23 +257,91 @@ def preflight_pod(
 
 
 def actor_pod(
-    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, index: int, placements: Placements | None = None
+    job: JobRef,
+    spec: RLJobSpec,
+    config: EffectiveConfig,
+    index: int,
+    placements: Placements | None = None,
+    role: str = keys.ACTOR,
 ) -> dict[str, Any]:
-    container = {
-        "name": keys.ACTOR,
-        "image": spec.actors.image,
-        "command": ["python", "-m", "lockstep_workers.actor"],
-        "args": actor_args(spec.model.uri, ACTOR_PORT, config.vllm_settings),
-        "ports": [{"name": ACTOR_PORT_NAME, "containerPort": ACTOR_PORT}],
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": ACTOR_PORT}, "periodSeconds": 5},
-    }
+    """Actor ``index``'s pod; with spec.actors.group, the pod of a group's leader (``role`` ACTOR: the engine's API,
+    the barrier agent and node 0 of the engine) or of its workers (ACTOR_WORKER: vLLM's headless ranks, the same
+    arguments)."""
+    container: dict[str, Any] = {"name": keys.ACTOR, "image": spec.actors.image}
+    if role == keys.ACTOR_WORKER:
+        container["command"] = ["python", "-m", "lockstep_workers.headless"]
+    else:
+        container |= {
+            "command": ["python", "-m", "lockstep_workers.actor"],
+            "ports": [{"name": ACTOR_PORT_NAME, "containerPort": ACTOR_PORT}],
+            "readinessProbe": {"httpGet": {"path": "/ready", "port": ACTOR_PORT}, "periodSeconds": 5},
+        }
+    container["args"] = actor_args(spec.model.uri, ACTOR_PORT, config.vllm_settings, spec.actors.group)
     if spec.weight_sync.backend.collective:  # the only manifest server an actor accepts weights from
         container["env"] = [
             {"name": environment.WEIGHTS_HOST, "value": trainer_host(job)},
             {"name": environment.WEIGHTS_PORT, "value": str(MANIFEST_PORT)},
         ]
     placement = _placement(placements, keys.ACTOR)
-    return _pod(job, spec, spec.actors, config, keys.ACTOR, index, container, placement, hostname=None)
+    return _pod(job, spec, spec.actors, config, role, index, container, placement, hostname=None)
+
+
+LEADER_WORKER_SET_API = "leaderworkerset.x-k8s.io/v1"
+"""LeaderWorkerSet (sigs.k8s.io/lws): it creates, schedules and restarts each actor group's pods as a unit."""
+LEADER_WORKER_SET = "LeaderWorkerSet"
+
+
+def actor_set_name(job: str) -> str:
+    """The job's LeaderWorkerSet. Group i's leader is the pod ``<job>-actor-<i>``, the name a single-pod actor has;
+    its workers are ``<job>-actor-<i>-<w>``, w from 1."""
+    return f"{job}-{keys.ACTOR}"
+
+
+def actor_groups(
+    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, placements: Placements | None = None
+) -> dict[str, Any]:
+    """The LeaderWorkerSet of spec.actors.group: spec.actors.replicas groups of group.pods pods each. Both templates
+    are the actor's pods as ``actor_pod`` renders them (Pod Security restricted, the fingerprint and template hash
+    annotated); LeaderWorkerSet adds each pod's group and worker index. A pod whose container restarts restarts its
+    whole group (RecreateGroupOnPodRestart): an engine that lost a rank cannot serve. A changed template rolls one
+    group at a time; the barrier waits for or evicts the group being replaced, as for a lost pod."""
+    group = spec.actors.group
+    if group is None:
+        raise ValueError("actor_groups renders spec.actors.group, which is unset")
+    leader = actor_pod(job, spec, config, 0, placements)
+    worker = actor_pod(job, spec, config, 0, placements, keys.ACTOR_WORKER)
+    return {
+        "apiVersion": LEADER_WORKER_SET_API,
+        "kind": LEADER_WORKER_SET,
+        "metadata": job.metadata(actor_set_name(job.name), keys.ACTOR),
+        "spec": {
+            "replicas": spec.actors.replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "networkConfig": {"subdomainPolicy": "Shared"},
+            "leaderWorkerTemplate": {
+                "size": group.pods,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _pod_template(leader),
+                "workerTemplate": _pod_template(worker),
+            },
+        },
+    }
+
+
+def _pod_template(pod: dict[str, Any]) -> dict[str, Any]:
+    """``pod`` as a LeaderWorkerSet's pod template: its labels but the index (LeaderWorkerSet labels each pod with
+    its group and worker index), its annotations, and its spec restarting in place (restartPolicy Always, the only
+    one a StatefulSet's pods take; LeaderWorkerSet then recreates the group)."""
+    metadata = pod["metadata"]
+    labels = {key: value for key, value in metadata["labels"].items() if key != keys.INDEX}
+    return {
+        "metadata": {"labels": labels, "annotations": metadata["annotations"]},
+        "spec": {**pod["spec"], "restartPolicy": "Always"},
+    }
 
 
 def trainer_host(job: JobRef) -> str:

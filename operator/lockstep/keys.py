@@ -26,6 +26,7 @@ OUTPUT = f"{DOMAIN}/output"  # on trainer rank 0, by the trainer: the trained mo
 PREFLIGHT = f"{DOMAIN}/preflight"  # on the preflight pod, by that pod: the parity it measured
 
 ACTOR = "actor"
+ACTOR_WORKER = "actor-worker"  # a multi-pod actor group's pods but its leader (docs/actor-groups.md)
 TRAINER = "trainer"
 PREFLIGHT_ROLE = "preflight"
 

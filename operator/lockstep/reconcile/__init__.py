@@ -52,7 +52,7 @@ def _steps(run: Pass) -> None:
     restarts.carry_over(run)
     config = policy.resolve(run, spec)
     if config is None:
-        weights.keep_moving(run, spec, spec.actors.vllm.tensor_parallel_size or 1)
+        weights.keep_moving(run, spec, weights.ranks_per_member(spec, None))
         return
     if run.observed.scope is PassScope.BARRIER and acks.advance_barrier(run, spec, config) is Next.DONE:
         return
@@ -87,6 +87,6 @@ def _steps(run: Pass) -> None:
         return
     live = pods.converge(run, config, children)
     updates = budget.check(run, spec, config, children.rank0)
-    if weights.step(run, spec, live, weights.ranks_per_member(config), updates) is Next.DONE:
+    if weights.step(run, spec, live, weights.ranks_per_member(spec, config), updates) is Next.DONE:
         return
     pods.readiness(run, spec, live)

@@ -19,5 +19,5 @@ def advance_barrier(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> Next
     if run.observed.rejected or (rank0 is not None and pod_phase(rank0) == "Succeeded"):
         return Next.CONTINUE
     live = {name: pod for name, pod in run.pods.items() if role(pod) in (keys.ACTOR, keys.TRAINER)}
-    weights.step(run, spec, live, weights.ranks_per_member(config), budget.check(run, spec, config, rank0))
+    weights.step(run, spec, live, weights.ranks_per_member(spec, config), budget.check(run, spec, config, rank0))
     return Next.DONE

@@ -69,7 +69,7 @@ def report_rejected(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None
         f"the API server refused what this RLJob asks for ({refused}); fix the RLJob's spec (or what refused "
         "it: a quota, an admission policy). The operator tries again when the spec changes, and every minute",
     )
-    weights.keep_moving(run, spec, weights.ranks_per_member(config))
+    weights.keep_moving(run, spec, weights.ranks_per_member(spec, config))
 
 
 def report_taken(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None:
@@ -88,7 +88,7 @@ def report_taken(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None:
         f"{run.job.namespace} {names}) and the operator creates its own within a minute, or create the job "
         "under another name",
     )
-    weights.keep_moving(run, spec, weights.ranks_per_member(config))
+    weights.keep_moving(run, spec, weights.ranks_per_member(spec, config))
 
 
 def _whose(run: Pass, metadata: dict[str, Any]) -> str:

@@ -17,8 +17,13 @@ from lockstep.reconcile.reasons import Reason
 from lockstep.times import parse_rfc3339
 
 
-def ranks_per_member(config: EffectiveConfig) -> int:
-    """Ranks an actor takes in a transfer group: one per vLLM worker."""
+def ranks_per_member(spec: RLJobSpec, config: EffectiveConfig | None) -> int:
+    """Ranks an actor takes in a transfer group: one per vLLM worker of its engine, over every pod of a group
+    (spec.actors.group), else its tensor-parallel size (the effective one; the spec's while none resolves)."""
+    if spec.actors.group is not None:
+        return spec.actors.group.ranks
+    if config is None:
+        return spec.actors.vllm.tensor_parallel_size or 1
     return int(config.vllm.get("tensorParallelSize", 1))
 
 
@@ -118,7 +123,7 @@ def finish_training(run: Pass, spec: RLJobSpec, config: EffectiveConfig, childre
     rank0 = children.rank0
     assert rank0 is not None
     updates = budget.check(run, spec, config, rank0)
-    if step(run, spec, children.pods, ranks_per_member(config), updates) is Next.DONE:
+    if step(run, spec, children.pods, ranks_per_member(spec, config), updates) is Next.DONE:
         return
     if run.updates_stalled is not None:
         # The trainer is done and its last version stalled: nothing more will come to load, so the job ends.
