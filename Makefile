@@ -74,7 +74,8 @@ otelcol: venv
 	$(PY) -c 'from lockstep_e2e.build import build_otelcol; print(build_otelcol())'
 
 # LeaderWorkerSet's controller manager (about 6 minutes when not cached), for multi-pod actor groups
-# (docs/actor-groups.md). Not yet a prerequisite of pytest: no test starts it.
+# (docs/actor-groups.md). Not yet a prerequisite of pytest: no test starts it (test_pod_security reads its CRD from
+# the module source, build.lws_module()).
 lws: venv
 	$(PY) -c 'from lockstep_e2e.build import build_lws; print(build_lws())'
 
