@@ -11,8 +11,6 @@ network here).
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +21,13 @@ from lockstep import kueue
 from lockstep_e2e import build
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import apply
-from lockstep_e2e.pki import CertificateAuthority
+from lockstep_e2e.pki import webhook_certificates
 
 NAMESPACE = "kueue-system"
 SERVICE = "kueue-webhook-service"
 SECRET = "kueue-webhook-server-cert"
 CA_NAME = "kueue-ca"
 """The name Kueue's certificate rotator checks its CA for (pkg/util/cert)."""
-CERTIFICATE_VALIDITY = dt.timedelta(days=365)
-"""Longer than the rotator's 90-day lookahead, so that it keeps the certificates it is given."""
 CONVERTED_CRDS = ("workloads", "clusterqueues", "localqueues", "cohorts", "multikueueclusters")
 """Kueue's CRDs that serve two versions through its conversion webhook (config/components/crd/patches)."""
 
@@ -72,41 +68,24 @@ def _webhooks(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any
 def start_kueue(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeout: float = 180.0) -> Component:
     """Install Kueue's CRDs and webhooks into ``cluster`` and run its controller manager; return once it is ready."""
     binary, module = build.build_kueue(), build.kueue_module()
-    workdir.mkdir(parents=True, exist_ok=True)
-    authority = CertificateAuthority(workdir, common_name=CA_NAME, validity=CERTIFICATE_VALIDITY)
-    serving = authority.issue("webhook", SERVICE, server_hosts=(f"{SERVICE}.{NAMESPACE}.svc", "127.0.0.1"))
-    files = {
-        "ca.crt": authority.pair.cert,
-        "ca.key": authority.pair.key,
-        "tls.crt": serving.cert,
-        "tls.key": serving.key,
-    }
-    # In a cluster the kubelet mounts this Secret at the webhook's certDir; here it is written there.
-    certificates = workdir / "certs"
-    certificates.mkdir(exist_ok=True)
-    for key, path in files.items():
-        (certificates / key).write_bytes(path.read_bytes())
-    secret = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": SECRET, "namespace": NAMESPACE},
-        "data": {key: base64.b64encode(path.read_bytes()).decode() for key, path in files.items()},
-    }
+    certificates = webhook_certificates(workdir, CA_NAME, NAMESPACE, SERVICE, SECRET)
     webhook_port, health_port, metrics_port = free_port(), free_port(), free_port()
     client_config = {
         "url": f"https://127.0.0.1:{webhook_port}",
-        "caBundle": base64.b64encode(authority.pair.cert.read_bytes()).decode(),
+        "caBundle": certificates.ca_bundle,
     }
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
     # Kueue's eleven CRDs are large (the Workload's schema alone is 19,000 lines): give them time on a busy machine.
-    apply(api, [namespace, secret, *_crds(module, client_config), *_webhooks(module, client_config)], timeout)
+    apply(
+        api, [namespace, certificates.secret, *_crds(module, client_config), *_webhooks(module, client_config)], timeout
+    )
     configuration = {
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
         "kind": "Configuration",
         "namespace": NAMESPACE,
         "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
         "metrics": {"bindAddress": f"127.0.0.1:{metrics_port}"},
-        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(certificates)},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(certificates.cert_dir)},
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": True, "webhookServiceName": SERVICE, "webhookSecretName": SECRET},
         "integrations": {"frameworks": [], "externalFrameworks": [kueue.FRAMEWORK]},

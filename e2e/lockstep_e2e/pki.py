@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -132,3 +134,47 @@ def write_signing_key(directory: Path) -> KeyPair:
         key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     return pair
+
+
+WEBHOOK_CERTIFICATE_VALIDITY = dt.timedelta(days=365)
+"""Longer than controller-runtime's certificate rotator's 90-day lookahead, so that it keeps what it is given."""
+
+
+@dataclass(frozen=True)
+class WebhookCertificates:
+    """What a controller whose internal certificate management rotates its webhooks' certificates is given first."""
+
+    secret: dict[str, Any]
+    """Its Secret, holding the CA and the serving certificate, as the rotator writes it."""
+    cert_dir: Path
+    """The same files where the kubelet would mount that Secret (the controller's webhook certDir)."""
+    ca_bundle: str
+    """The CA, base64, for the webhooks' clientConfig."""
+
+
+def webhook_certificates(
+    directory: Path, ca_name: str, namespace: str, service: str, secret: str
+) -> WebhookCertificates:
+    """A CA named ``ca_name`` (the name the controller's rotator checks its CA for) and a serving certificate valid for
+    ``service``'s DNS name in ``namespace`` and for 127.0.0.1 (there is no Service network here: the API server calls
+    the webhooks on loopback), both in ``secret`` and in ``directory``/certs."""
+    directory.mkdir(parents=True, exist_ok=True)
+    authority = CertificateAuthority(directory, common_name=ca_name, validity=WEBHOOK_CERTIFICATE_VALIDITY)
+    serving = authority.issue("webhook", service, server_hosts=(f"{service}.{namespace}.svc", "127.0.0.1"))
+    files = {
+        "ca.crt": authority.pair.cert,
+        "ca.key": authority.pair.key,
+        "tls.crt": serving.cert,
+        "tls.key": serving.key,
+    }
+    cert_dir = directory / "certs"
+    cert_dir.mkdir(exist_ok=True)
+    for key, path in files.items():
+        (cert_dir / key).write_bytes(path.read_bytes())
+    document = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": secret, "namespace": namespace},
+        "data": {key: base64.b64encode(path.read_bytes()).decode() for key, path in files.items()},
+    }
+    return WebhookCertificates(document, cert_dir, base64.b64encode(authority.pair.cert.read_bytes()).decode())

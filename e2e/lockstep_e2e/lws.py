@@ -1,0 +1,81 @@
+"""LeaderWorkerSet's real controller manager on a local control plane: built from sigs.k8s.io/lws
+(lockstep_e2e.build), its CRDs and webhook configurations taken from the module's config/, its webhooks served on
+loopback, as lockstep_e2e.kueue does for Kueue.
+
+Its pod webhooks matter here: they give each pod of a group its labels and its ``LWS_*`` environment (the leader's
+address, the worker's index), which the actor and the headless workers read (lockstep_workers.group). As in the
+module's kustomization, they see only pods labelled ``leaderworkerset.sigs.k8s.io/name``. The CRD serves one version,
+so the conversion webhook that the module's kustomization adds is left out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from lockstep_e2e import build
+from lockstep_e2e.cluster import Component, LocalCluster, free_port
+from lockstep_e2e.install import apply
+from lockstep_e2e.pki import webhook_certificates
+
+NAMESPACE = "lws-system"
+"""Where the controller looks for its Secret and its leader-election lease outside a pod (pkg/utils)."""
+SERVICE = "lws-webhook-service"
+SECRET = "lws-webhook-server-cert"
+CA_NAME = "lws-ca"
+"""The name LeaderWorkerSet's certificate rotator checks its CA for (pkg/cert)."""
+NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+"""The label LeaderWorkerSet puts on every pod of a set; its pod webhooks select on it."""
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [document for document in yaml.safe_load_all(path.read_text()) if document]
+
+
+def _webhooks(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """LeaderWorkerSet's webhook configurations, named as its rotator knows them, the pod webhooks limited to its
+    pods (config/webhook's patches), each webhook called on loopback."""
+    configurations = _documents(module / "config/webhook/manifests.yaml")
+    pods_of_a_set = {"matchExpressions": [{"key": NAME_LABEL, "operator": "Exists"}]}
+    for configuration in configurations:
+        configuration["metadata"]["name"] = f"lws-{configuration['metadata']['name']}"
+        for hook in configuration["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {**client_config, "url": client_config["url"] + path}
+            if any("pods" in rule["resources"] for rule in hook["rules"]):
+                hook["objectSelector"] = pods_of_a_set
+    return configurations
+
+
+def start_lws(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeout: float = 180.0) -> Component:
+    """Install LeaderWorkerSet's CRDs and webhooks into ``cluster`` and run its controller manager; return once it
+    is ready."""
+    binary, module = build.build_lws(), build.lws_module()
+    certificates = webhook_certificates(workdir, CA_NAME, NAMESPACE, SERVICE, SECRET)
+    webhook_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    client_config = {"url": f"https://127.0.0.1:{webhook_port}", "caBundle": certificates.ca_bundle}
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+    crds = [crd for path in sorted((module / "config/crd/bases").glob("*.yaml")) for crd in _documents(path)]
+    apply(api, [namespace, certificates.secret, *crds, *_webhooks(module, client_config)], timeout)
+    configuration = {
+        "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        "metrics": {"bindAddress": f"127.0.0.1:{metrics_port}"},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(certificates.cert_dir)},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": True, "webhookServiceName": SERVICE, "webhookSecretName": SECRET},
+    }
+    config_path = workdir / "configuration.yaml"
+    config_path.write_text(yaml.safe_dump(configuration))
+    controller = Component(
+        "lws",
+        [str(binary), f"--config={config_path}"],
+        workdir / "lws.log",
+        env={"KUBECONFIG": str(cluster.kubeconfig)},
+    )
+    controller.start_until_answering(f"http://127.0.0.1:{health_port}/readyz", timeout)
+    return controller
