@@ -59,8 +59,8 @@ typecheck: venv
 
 # --durations=30: every run (CI's too) says where its time went, before the short summary that names each failed
 # test; past 40 minutes the run also warns with its 10 slowest tests (e2e/lockstep_e2e/pytest_budget.py, issue 33).
-# The real model is fetched and converted first, as Kueue is built, outside any test's timeout.
-pytest: venv binaries kueue otelcol real-model
+# The real model is fetched and converted first, as Kueue and LeaderWorkerSet are built, outside any test's timeout.
+pytest: venv binaries kueue lws otelcol real-model
 	$(VENV)/bin/pytest --durations=30
 
 # Kueue's controller manager for its e2e tests (about 4 minutes when not cached), built before pytest so that no
@@ -74,8 +74,7 @@ otelcol: venv
 	$(PY) -c 'from lockstep_e2e.build import build_otelcol; print(build_otelcol())'
 
 # LeaderWorkerSet's controller manager (about 6 minutes when not cached), for multi-pod actor groups
-# (docs/actor-groups.md). Not yet a prerequisite of pytest: no test starts it (test_pod_security reads its CRD from
-# the module source, build.lws_module()).
+# (docs/actor-groups.md), built before pytest as Kueue's is.
 lws: venv
 	$(PY) -c 'from lockstep_e2e.build import build_lws; print(build_lws())'
 

@@ -28,15 +28,19 @@ CONFIG = REPO / ".checkov.yaml"
 
 
 def example_objects(example: Path) -> list[dict[str, Any]]:
-    """What the operator creates for an example RLJob: its pods (actors, trainers, the preflight pod), their
-    identity and access, the effective config, the Services and the NetworkPolicy."""
+    """What the operator creates for an example RLJob: its pods (actors, trainers, the preflight pod; actor groups as
+    the pods their LeaderWorkerSet creates, and the set), their identity and access, the effective config, the
+    Services and the NetworkPolicy."""
     manifest = yaml.safe_load(example.read_text())
     spec = RLJobSpec.model_validate(manifest["spec"])
     config = effective_config(spec, default_policy())
     job = desired.JobRef(name=manifest["metadata"]["name"], namespace="team", uid=str(uuid.UUID(int=0)))
     pods = [*desired.pods(job, spec, config), desired.preflight_pod(job, spec, config)]
+    groups = desired.group_pods(job, spec, config)
     return [
         *pods,
+        *groups,
+        *([desired.actor_groups(job, spec, config)] if groups else []),
         *desired.worker_access(job, [pod["metadata"]["name"] for pod in pods]),
         desired.config_map(job, spec, config),
         *desired.services(job),

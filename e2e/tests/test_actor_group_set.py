@@ -1,7 +1,7 @@
-"""The LeaderWorkerSet Lockstep renders for spec.actors.group (lockstep.desired.actor_groups), run by LeaderWorkerSet's
-real controller and webhooks (lockstep_e2e.lws) on a control plane of its own: the pods it creates from the templates,
-the place in the group its pod webhook gives each (read by lockstep_workers.group as the pods do), and a lost worker
-recreating its whole group. The operator does not apply the set yet (docs/actor-groups.md): the test applies it."""
+"""An RLJob whose actors are groups of two pods (spec.actors.group), on a control plane of its own with Lockstep's
+CRDs and admission policies, LeaderWorkerSet's real controller and webhooks (lockstep_e2e.lws), and the operator
+with the chart's RBAC for LeaderWorkerSets. Pods are kwok's; the barrier's agents are the real PodAgent on recording
+engines, one per group leader, each with a token bound to its pod (lockstep_e2e.agents)."""
 
 from __future__ import annotations
 
@@ -11,85 +11,122 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from lockstep import desired, keys
-from lockstep.api import RLJobSpec
-from lockstep.parity import default_policy, effective_config
+from lockstep import keys
+from lockstep.api import ActorGroup
+from lockstep_e2e.agents import running_agents
 from lockstep_e2e.cluster import LocalCluster
-from lockstep_e2e.fixtures import wait_for
-from lockstep_e2e.jobs import rljob
+from lockstep_e2e.fixtures import fresh_namespace, push_weights, wait_for, weights_version
+from lockstep_e2e.install import install, start_operator
+from lockstep_e2e.jobs import announce_weights, create_job, get_job, rljob
 from lockstep_e2e.lws import start_lws
 from lockstep_workers.group import node_of
 
 pytestmark = pytest.mark.cluster
 
-NAMESPACE = "groups"
 GROUP = {"pods": 2, "tensorParallelSize": 2}
-JOB = desired.JobRef("big", NAMESPACE, "uid-big")
+LEADERS = ["big-actor-0", "big-actor-1"]
+PODS = {"big-actor-0", "big-actor-0-1", "big-actor-1", "big-actor-1-1"}
 
 
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.ApiClient]:
-    """An admin client of a control plane with LeaderWorkerSet running, and the namespace of the test's job with the
-    job's ServiceAccount."""
+    """An admin client of a control plane with Lockstep installed, LeaderWorkerSet running, and the operator run
+    with the chart's leaderWorkerSet.enabled."""
     workdir = tmp_path_factory.mktemp("lws")
     with LocalCluster(workdir / "cluster") as cluster:
         api = cluster.api_client()
+        install(api)
         controller = start_lws(cluster, api, workdir / "lws")
-        core = client.CoreV1Api(api)
-        core.create_namespace({"metadata": {"name": NAMESPACE}})
-        core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": desired.worker_account_name(JOB.name)}})
+        operator = start_operator(
+            cluster,
+            workdir / "operator.log",
+            "--restart-backoff-seconds=1",
+            chart_values=("leaderWorkerSet.enabled=true",),
+        )
         try:
             yield api
         finally:
+            operator.stop()
             controller.stop()
 
 
-def grouped(replicas: int) -> RLJobSpec:
-    body = rljob(JOB.name, actors=replicas)["spec"]
-    body["actors"]["group"] = GROUP
-    return RLJobSpec.model_validate(body)
+@pytest.fixture
+def namespace(kube: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    with fresh_namespace(kube, request.node.name) as name:
+        yield name
 
 
-def pods(kube: client.ApiClient) -> dict[str, Any]:
-    listed = client.CoreV1Api(kube).list_namespaced_pod(NAMESPACE, label_selector=f"{keys.JOB}={JOB.name}")
+def pods(kube: client.ApiClient, namespace: str) -> dict[str, Any]:
+    listed = client.CoreV1Api(kube).list_namespaced_pod(namespace, label_selector=f"{keys.JOB}=big")
     return {pod.metadata.name: pod for pod in listed.items if pod.metadata.deletion_timestamp is None}
 
 
-def test_leader_worker_set_runs_the_groups_and_tells_each_pod_its_place(kube: client.ApiClient) -> None:
-    """Two groups of two pods: the leaders run the actor, the workers the headless ranks, every pod with the job's
-    fingerprint; lockstep_workers.group reads each pod's place from what LeaderWorkerSet's webhook set. A deleted worker
-    makes LeaderWorkerSet recreate its whole group (RecreateGroupOnPodRestart) and leaves the other group alone."""
-    spec = grouped(replicas=2)
-    rendered = desired.actor_groups(JOB, spec, effective_config(spec, default_policy()))
-    del rendered["metadata"]["ownerReferences"]  # no RLJob here: the garbage collector would delete the set
-    client.CustomObjectsApi(kube).create_namespaced_custom_object(
-        "leaderworkerset.x-k8s.io", "v1", NAMESPACE, "leaderworkersets", rendered
-    )
-    names = {"big-actor-0", "big-actor-0-1", "big-actor-1", "big-actor-1-1"}
-    wait_for(lambda: set(pods(kube)) == names, f"LeaderWorkerSet to create {sorted(names)}", timeout=90)
-    fingerprint = effective_config(spec, default_policy()).fingerprint
-    assert spec.actors.group is not None
-    for name, pod in pods(kube).items():
+def running_groups(kube: client.ApiClient, namespace: str) -> None:
+    """Create the job of two groups and wait until it runs, every pod of its groups ready."""
+    job = rljob("big", actors=2)
+    job["spec"]["actors"]["group"] = GROUP
+    create_job(kube, namespace, job)
+
+    def runs() -> bool:
+        status = get_job(kube, namespace, "big").get("status") or {}
+        return status.get("phase") == "Running" and (status.get("actorPods") or {}).get("ready") == len(PODS)
+
+    wait_for(runs, "RLJob big to run with its 2 groups of 2 pods", timeout=120)
+
+
+def test_the_groups_run_as_a_leader_worker_set_and_update_as_one_member_each(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """LeaderWorkerSet creates the groups' pods through Lockstep's admission policy (the StatefulSet controller may
+    label them as Lockstep's); each pod learns its place from LeaderWorkerSet's webhook as lockstep_workers.group
+    reads it; the status counts groups and pods; a weight update is a barrier of the two leaders."""
+    running_groups(kube, namespace)
+    status = get_job(kube, namespace, "big")["status"]
+    assert status["actors"]["summary"] == "2/2" and status["actorPods"]["summary"] == "4/4"
+    assert set(pods(kube, namespace)) | {"big-trainer-0"} == PODS | {"big-trainer-0"}
+    for name, pod in pods(kube, namespace).items():
+        if name == "big-trainer-0":
+            continue
         [container] = pod.spec.containers
         env = {variable.name: variable.value for variable in container.env if variable.value is not None}
-        node = node_of(env, spec.actors.group)
-        leader = name.count("-") == 2
+        node = node_of(env, ActorGroup.model_validate(GROUP))
+        leader = name in LEADERS
         assert node.rank == (0 if leader else 1), (name, env)
-        assert node.leader.startswith(f"big-actor-{name.split('-')[2]}.big-actor.{NAMESPACE}"), node.leader
+        assert node.leader.startswith(f"big-actor-{name.split('-')[2]}.big-actor.{namespace}"), node.leader
         assert pod.metadata.labels[keys.ROLE] == (keys.ACTOR if leader else keys.ACTOR_WORKER)
         assert container.command[-1] == ("lockstep_workers.actor" if leader else "lockstep_workers.headless")
-        assert pod.metadata.annotations[keys.CONFIG_FINGERPRINT] == fingerprint
 
-    before = {name: pod.metadata.uid for name, pod in pods(kube).items()}
-    client.CoreV1Api(kube).delete_namespaced_pod("big-actor-1-1", NAMESPACE)
+    push_weights(kube, namespace, "big", LEADERS, 1)
+    [record] = get_job(kube, namespace, "big")["status"]["barrierHistory"]
+    assert (record["version"], record["members"], record["outcome"]) == (1, 2, "Completed")
 
-    def group_one_recreated() -> bool:
-        now = {name: pod.metadata.uid for name, pod in pods(kube).items()}
-        return set(now) == names and now["big-actor-1"] != before["big-actor-1"]
 
-    wait_for(group_one_recreated, "group 1 recreated whole after its worker was deleted", timeout=90)
-    after = {name: pod.metadata.uid for name, pod in pods(kube).items()}
-    assert after["big-actor-1-1"] != before["big-actor-1-1"]
-    assert (after["big-actor-0"], after["big-actor-0-1"]) == (before["big-actor-0"], before["big-actor-0-1"]), (
-        "the other group keeps its pods"
-    )
+def test_a_worker_lost_mid_update_recreates_its_group_which_catches_up(kube: client.ApiClient, namespace: str) -> None:
+    """A worker pod deleted while its leader swaps: LeaderWorkerSet recreates the whole group, the barrier finishes
+    without it, and the new leader comes to the newest weights in a barrier of its own."""
+    running_groups(kube, namespace)
+    core = client.CoreV1Api(kube)
+    lost = core.read_namespaced_pod("big-actor-1", namespace).metadata.uid
+    with running_agents(kube, namespace, LEADERS) as engines:
+        victim = engines["big-actor-1"]
+        victim.gates["swap"].clear()
+        announce_weights(kube, namespace, "big", 1)
+        wait_for(lambda: victim.waiting == "swap", "group 1's leader to swap version 1")
+        core.delete_namespaced_pod("big-actor-1-1", namespace)
+        victim.kill()  # its group is recreated: the leader's process goes with it
+        wait_for(lambda: weights_version(kube, namespace, "big") == 1, "the barrier to finish without group 1")
+        assert engines["big-actor-0"].calls == ["stage 1", "pause", "swap 1", "resume"], "group 0 resumed"
+
+    def recreated() -> bool:
+        now = pods(kube, namespace)
+        leader = now.get("big-actor-1")
+        return set(now) >= PODS and leader is not None and leader.metadata.uid != lost
+
+    wait_for(recreated, "LeaderWorkerSet to recreate group 1 whole", timeout=90)
+    with running_agents(kube, namespace, ["big-actor-1"]) as late:
+        expected = ["stage 1", "pause", "swap 1", "resume"]
+        wait_for(lambda: late["big-actor-1"].calls == expected, "group 1's new leader to catch up to version 1")
+        wait_for(lambda: "barrier" not in get_job(kube, namespace, "big")["status"], "no barrier open")
+    history = get_job(kube, namespace, "big")["status"]["barrierHistory"]
+    # (version, members that completed it): the update without group 1, then group 1's catch-up.
+    assert [(r["version"], r["members"]) for r in history] == [(1, 1), (1, 1)]

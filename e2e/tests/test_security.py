@@ -29,6 +29,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
 RBAC = "rbac.authorization.k8s.io"
 OWN_KEYS = ", ".join(admission.POD_KEYS)
+MANAGED_BY_SETTERS = (
+    f"the Lockstep operator ({keys.OPERATOR_USERNAME}) sets or removes it (and the StatefulSet controller creates the "
+    f"pods of an actor group with it), or a member of group {keys.BREAK_GLASS_GROUP}"
+)
 
 
 def refused(call: Callable[[], Any], policy: str = admission.BARRIER_POLICY) -> str:
@@ -186,8 +190,7 @@ def test_the_status_subresource_writes_no_barrier_key_and_no_managed_by_label(
     )
     assert refused(status_patch(actor, {"labels": {keys.MANAGED_BY: None}})) == (
         f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/{actor}) marks a pod as managed by Lockstep: "
-        f"only the Lockstep operator ({keys.OPERATOR_USERNAME}) sets or removes it, or a member of group "
-        f"{keys.BREAK_GLASS_GROUP}, not {caller}"
+        f"only {MANAGED_BY_SETTERS}, not {caller}"
     )
     # What pods/status is for stays the writer's (RBAC grants it; admission has no say).
     checked = {"conditions": [{"type": "e2e.example/Checked", "status": "True"}]}
@@ -268,13 +271,54 @@ def test_a_token_is_a_pod_own_only_with_its_namespace_name_and_uid(kube: client.
     assert keys.WEIGHTS not in annotations(kube, namespace, trainer)
 
 
-def impersonating(api: client.ApiClient, user: str, group: str | None = None) -> client.ApiClient:
-    """The admin's client, acting as ``user`` (in ``group``): ``kubectl --as=user --as-group=group``."""
+def impersonating(
+    api: client.ApiClient, user: str, group: str | None = None, extra: dict[str, str] | None = None
+) -> client.ApiClient:
+    """The admin's client, acting as ``user`` (in ``group``, with ``extra``, as a token bound to a pod carries):
+    ``kubectl --as=user --as-group=group``."""
     impersonated = client.ApiClient(api.configuration)
     impersonated.set_default_header("Impersonate-User", user)
     if group:
         impersonated.set_default_header("Impersonate-Group", group)
+    for key, value in (extra or {}).items():  # the key percent-encoded, as the API server reads it
+        impersonated.set_default_header(f"Impersonate-Extra-{key.replace('/', '%2F')}", value)
     return impersonated
+
+
+def test_only_the_controllers_of_a_leader_worker_set_handle_the_lockstep_pods_of_one(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Actor groups (docs/actor-groups.md): the StatefulSet controller creates a LeaderWorkerSet's pods with the
+    managed-by label, and LeaderWorkerSet's controller, which runs in a pod of its own, deletes a group's leader to
+    recreate the group. Only they, and only on pods of a LeaderWorkerSet; the same label gets a pod token nothing."""
+    in_a_set = {keys.MANAGED_BY: keys.MANAGER, keys.JOB: "sets", keys.GROUP_SET_NAME: "sets-actor"}
+    statefulsets = client.CoreV1Api(impersonating(kube, keys.STATEFULSET_CONTROLLER_USERNAME))
+    outside = bare_pod("sets-trainer-0", labels={keys.MANAGED_BY: keys.MANAGER, keys.JOB: "sets"})
+    assert refused(lambda: statefulsets.create_namespaced_pod(namespace, outside)).startswith(
+        f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/sets-trainer-0) marks a pod as managed by "
+        f"Lockstep: only {MANAGED_BY_SETTERS}, not {keys.STATEFULSET_CONTROLLER_USERNAME}"
+    )
+    statefulsets.create_namespaced_pod(namespace, bare_pod("sets-actor-0", labels=in_a_set))
+    statefulsets.create_namespaced_pod(namespace, bare_pod("sets-actor-0-1", labels=in_a_set))
+
+    # A token bound to a pod, as LeaderWorkerSet's controller holds one in its own pod; RBAC lets it delete pods.
+    bound = {keys.POD_NAME_EXTRA: "lws-controller-manager-0", keys.POD_UID_EXTRA: "uid-of-its-pod"}
+    lws_user = keys.LWS_CONTROLLER_USERNAME
+    for user in (lws_user, f"system:serviceaccount:{namespace}:intruder"):
+        user_namespace, name = user.split(":")[2:]
+        apply(
+            kube, pod_rbac(namespace, {"kind": "ServiceAccount", "name": name, "namespace": user_namespace}, ["delete"])
+        )
+    intruder = client.CoreV1Api(impersonating(kube, f"system:serviceaccount:{namespace}:intruder", extra=bound))
+    assert "a service-account token bound to a pod may only update that pod itself, not DELETE pod" in refused(
+        lambda: intruder.delete_namespaced_pod("sets-actor-0", namespace)
+    )
+    client.CoreV1Api(impersonating(kube, lws_user, extra=bound)).delete_namespaced_pod("sets-actor-0", namespace)
+    assert refused(
+        lambda: statefulsets.patch_namespaced_pod(
+            "sets-actor-0-1", namespace, {"metadata": {"labels": {keys.MANAGED_BY: None}}}
+        )
+    ).startswith(f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod ")
 
 
 def test_the_policy_covers_only_lockstep_pods_and_break_glass_repairs_them(
@@ -292,8 +336,7 @@ def test_the_policy_covers_only_lockstep_pods_and_break_glass_repairs_them(
         label = {"metadata": {"labels": {keys.MANAGED_BY: keys.MANAGER}}}
         assert refused(lambda: admin.patch_namespaced_pod("bystander", other, label)) == (
             f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {other}/bystander) marks a pod as managed by "
-            f"Lockstep: only the Lockstep operator ({keys.OPERATOR_USERNAME}) sets or removes it, or a member of group "
-            f"{keys.BREAK_GLASS_GROUP}, not lockstep-admin"
+            f"Lockstep: only {MANAGED_BY_SETTERS}, not lockstep-admin"
         )
 
     actor = running_job(kube, namespace, "glass", 1)[0]

@@ -317,7 +317,9 @@ labels onto the pod, and has its own policy (``binding_policy``); the others (``
 ``eviction``, ``exec``, ...) change no metadata."""
 
 
-def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str, Any]:
+def barrier_policy(
+    operator_username: str = keys.OPERATOR_USERNAME, lws_controller_username: str = keys.LWS_CONTROLLER_USERNAME
+) -> dict[str, Any]:
     """Who may change what on a pod Lockstep manages (labelled before or after the request), through the pod or
     any subresource that keeps metadata changes (``POD_SUBRESOURCES``).
 
@@ -325,18 +327,34 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
     - ``POD_KEYS``: only the pod itself, as a token bound to it (same namespace, pod name and pod UID) proves;
     - a token bound to a pod (other than the operator's) may only UPDATE its own pod, and change nothing but its
       ``POD_KEYS`` on it: no spec, no status, no labels, no other annotations, owner references or finalizers;
-    - the managed-by label (what makes a pod Lockstep's, so also creating such a pod): only the operator;
+    - the managed-by label (what makes a pod Lockstep's, so also creating such a pod): only the operator, and, on
+      a LeaderWorkerSet's pods (an actor group's), the StatefulSet controller that creates them;
+    - LeaderWorkerSet's controller (``lws_controller_username``), which runs in a pod, is not held to the pod-token
+      rules on a LeaderWorkerSet's pods: it deletes a group's leader to recreate the group;
     - members of ``keys.BREAK_GLASS_GROUP`` may do all of it. Anything else is left to RBAC.
     """
     own = _cel_list(POD_KEYS)
+    in_a_set = " || ".join(
+        f"({side} != null && has({side}.metadata.labels) && '{keys.GROUP_SET_NAME}' in {side}.metadata.labels)"
+        for side in ("object", "oldObject")
+    )
     variables = [
         ("annotationChanges", _changed_keys("annotations")),
         ("labelChanges", _changed_keys("labels")),
         ("isOperator", f"request.userInfo.username == '{operator_username}'"),
         ("isBreakGlass", _IS_BREAK_GLASS),
+        (
+            "isGroupController",
+            f"({in_a_set}) && request.userInfo.username in "
+            f"{_cel_list((keys.STATEFULSET_CONTROLLER_USERNAME, lws_controller_username))}",
+        ),
         ("podName", _extra(keys.POD_NAME_EXTRA)),
         ("podUid", _extra(keys.POD_UID_EXTRA)),
-        ("isPod", "variables.podName != '' && !variables.isOperator && !variables.isBreakGlass"),
+        (
+            "isPod",
+            "variables.podName != '' && !variables.isOperator && !variables.isBreakGlass && "
+            "!variables.isGroupController",
+        ),
         (
             "isSelf",
             "request.operation == 'UPDATE' && variables.podName == object.metadata.name && "
@@ -391,10 +409,12 @@ def barrier_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
             "reason": "Forbidden",
         },
         {
-            "expression": f"!('{keys.MANAGED_BY}' in variables.labelChanges) || {by_operator}",
+            "expression": f"!('{keys.MANAGED_BY}' in variables.labelChanges) || {by_operator} || "
+            "(variables.isGroupController && request.operation == 'CREATE')",
             "messageExpression": f"'the label {keys.MANAGED_BY}={keys.MANAGER} (on pod ' + request.namespace + '/' + "
             "object.metadata.name + ') marks a pod as managed by Lockstep: only the "
-            f"Lockstep operator ({operator_username}) sets or removes it, or a member of group "
+            f"Lockstep operator ({operator_username}) sets or removes it (and the StatefulSet controller creates "
+            "the pods of an actor group with it), or a member of group "
             f"{keys.BREAK_GLASS_GROUP}, not ' + {caller}",
             "reason": "Forbidden",
         },
@@ -481,10 +501,12 @@ def _deny_binding(policy: str) -> dict[str, Any]:
     }
 
 
-def barrier_manifests(operator_username: str = keys.OPERATOR_USERNAME) -> list[dict[str, Any]]:
+def barrier_manifests(
+    operator_username: str = keys.OPERATOR_USERNAME, lws_controller_username: str = keys.LWS_CONTROLLER_USERNAME
+) -> list[dict[str, Any]]:
     """The barrier policy, the pods/binding policy, and their bindings."""
     return [
-        barrier_policy(operator_username),
+        barrier_policy(operator_username, lws_controller_username),
         _deny_binding(BARRIER_POLICY),
         binding_policy(operator_username),
         _deny_binding(BINDING_POLICY),

@@ -535,13 +535,14 @@ class ActorGroup(Model):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
-GROUP_NOT_RECONCILED_RULE = cel(
-    "!has(self.group)",
-    "spec.actors.group: multi-pod actor groups are not yet reconciled by this operator (issue 36: the API is "
-    "defined, the LeaderWorkerSet is not yet created); remove spec.actors.group to run single-pod actors",
+GROUP_IMMUTABLE_RULE = cel(
+    "has(self.group) == has(oldSelf.group) && (!has(self.group) || self.group == oldSelf.group)",
+    "spec.actors.group is immutable while the RLJob exists, and so is whether it is set: the groups' engines are "
+    "split for it and their pods are a LeaderWorkerSet's (single-pod actors are the operator's own); delete the "
+    "RLJob and create it again with the spec.actors.group you want",
     field_path=".group",
 )
-"""Until the operator reconciles groups, a job that sets one is refused rather than half-applied."""
+"""A transition rule on spec.actors, not on spec.actors.group, as LORA_IMMUTABLE_RULE."""
 GROUP_TENSOR_PARALLEL_RULE = cel(
     "!has(self.group) || !has(self.vllm.tensorParallelSize)",
     "spec.actors.vllm.tensorParallelSize and spec.actors.group both size the engine's tensor parallelism: with a "
@@ -551,7 +552,7 @@ GROUP_TENSOR_PARALLEL_RULE = cel(
 
 
 class ActorSpec(PodOverrides):
-    model_config = ConfigDict(json_schema_extra=validations(GROUP_NOT_RECONCILED_RULE, GROUP_TENSOR_PARALLEL_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(GROUP_IMMUTABLE_RULE, GROUP_TENSOR_PARALLEL_RULE))
 
     replicas: Annotated[int, Field(ge=1, le=4096)] = Field(
         1,
@@ -560,8 +561,8 @@ class ActorSpec(PodOverrides):
     )
     group: ActorGroup | None = Field(
         None,
-        description="Split each actor's engine over several pods (a LeaderWorkerSet group). Default: unset, each "
-        "actor is one pod. Not yet reconciled: a job that sets it is refused.",
+        description="Split each actor's engine over several pods: the job's groups are one LeaderWorkerSet, which "
+        "the cluster must run (docs/actor-groups.md). Immutable. Default: unset, each actor is one pod.",
     )
     image: Annotated[str, Field(min_length=1)] = Field(
         description="The actors' (and the preflight pod's) container image: lockstep_workers with vLLM, e.g. "
@@ -1610,7 +1611,14 @@ class RLJobStatus(Model):
     )
     queue: QueueStatus | None = Field(None, description="Where Kueue holds the job (jobs Kueue manages only).")
     observed_generation: int | None = Field(None, description="The metadata.generation the status describes.")
-    actors: ReplicaStatus = Field(default_factory=ReplicaStatus, description="The actor pods.")
+    actors: ReplicaStatus = Field(
+        default_factory=ReplicaStatus,
+        description="The actor pods; with spec.actors.group the groups, a group ready when its leader is (its "
+        "engine serves only once every rank of it runs).",
+    )
+    actor_pods: ReplicaStatus | None = Field(
+        None, description="With spec.actors.group: every pod of the groups, leaders and workers. Unset otherwise."
+    )
     trainer: ReplicaStatus = Field(default_factory=ReplicaStatus, description="The trainer pods.")
     weights_version: int | None = Field(None, description="The version every member serves (last barrier).")
     weights: Weights | None = Field(None, description="The committed weights; new pods start from them.")

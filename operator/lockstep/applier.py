@@ -134,7 +134,8 @@ class Applier:
         refused: dict[str, str] = {}
         children_hash = json.dumps([plan.children, plan.remove_children], sort_keys=True)
         # A pod about to be created needs its children (its ConfigMap, its Role): apply them first, whatever the cache.
-        if plan.children and (plan.create_pods or self._applied_children.get(key) != children_hash):
+        changes = plan.children or plan.remove_children
+        if changes and (plan.create_pods or self._applied_children.get(key) != children_hash):
             with self._guard:
                 self._children_deleted.discard(key)
             for child in plan.children:

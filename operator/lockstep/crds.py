@@ -147,7 +147,12 @@ def rendered() -> dict[str, str]:
     # The chart: CRDs as they are (Helm installs crds/ first), the rest as templates.
     files |= {f"{CHART_DIR}/crds/{name}": text for name, text in definitions.items()}
     # Unfolded lines, so that no template action is split across lines.
-    chart_barrier = _dump_all(admission.barrier_manifests('{{ include "lockstep.operatorUsername" . }}'), float("inf"))
+    chart_barrier = _dump_all(
+        admission.barrier_manifests(
+            '{{ include "lockstep.operatorUsername" . }}', "{{ .Values.leaderWorkerSet.controllerUsername }}"
+        ),
+        float("inf"),
+    )
     files |= {
         f"{CHART_DIR}/templates/admission-parity.yaml": _only_if("admissionPolicies", parity),
         f"{CHART_DIR}/templates/admission-barrier.yaml": _only_if("admissionPolicies", chart_barrier),

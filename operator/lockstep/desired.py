@@ -226,8 +226,10 @@ def pods(
     placements: Placements | None = None,
     trainer_env: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every pod the job should have, actors first; ``trainer_env``: the trainers' environment defaults."""
-    actors = [actor_pod(job, spec, config, index, placements) for index in range(spec.actors.replicas)]
+    """Every pod the operator creates for the job, actors first (none when they are groups: LeaderWorkerSet creates
+    those, ``group_pods``); ``trainer_env``: the trainers' environment defaults."""
+    single = spec.actors.group is None
+    actors = [actor_pod(job, spec, config, index, placements) for index in range(spec.actors.replicas) if single]
     trainers = [trainer_pod(job, spec, config, rank, placements, trainer_env) for rank in range(spec.trainer.replicas)]
     return actors + trainers
 
@@ -282,13 +284,14 @@ def actor_pod(
             {"name": environment.WEIGHTS_HOST, "value": trainer_host(job)},
             {"name": environment.WEIGHTS_PORT, "value": str(MANIFEST_PORT)},
         ]
-    placement = _placement(placements, keys.ACTOR)
+    placement = _placement(placements, role)
     return _pod(job, spec, spec.actors, config, role, index, container, placement, hostname=None)
 
 
-LEADER_WORKER_SET_API = "leaderworkerset.x-k8s.io/v1"
+LEADER_WORKER_SET_GROUP, LEADER_WORKER_SET_VERSION = "leaderworkerset.x-k8s.io", "v1"
 """LeaderWorkerSet (sigs.k8s.io/lws): it creates, schedules and restarts each actor group's pods as a unit."""
 LEADER_WORKER_SET = "LeaderWorkerSet"
+LEADER_WORKER_SETS = "leaderworkersets"
 
 
 def actor_set_name(job: str) -> str:
@@ -297,21 +300,42 @@ def actor_set_name(job: str) -> str:
     return f"{job}-{keys.ACTOR}"
 
 
+def group_pods(
+    job: JobRef, spec: RLJobSpec, config: EffectiveConfig, placements: Placements | None = None
+) -> list[dict[str, Any]]:
+    """Every pod of the job's actor groups as LeaderWorkerSet creates it from ``actor_groups``' templates, by the
+    name it gives (group i's leader ``<job>-actor-<i>``, then its workers ``<job>-actor-<i>-<w>``), labelled with
+    the group's index; none without spec.actors.group. What Kueue admits, and what the pods are checked against."""
+    group = spec.actors.group
+    if group is None:
+        return []
+    pods = []
+    for index in range(spec.actors.replicas):
+        leader = actor_pod(job, spec, config, index, placements)
+        pods.append(leader)
+        for rank in range(1, group.pods):
+            worker = actor_pod(job, spec, config, index, placements, keys.ACTOR_WORKER)
+            worker["metadata"]["name"] = f"{leader['metadata']['name']}-{rank}"
+            pods.append(worker)
+    return pods
+
+
 def actor_groups(
     job: JobRef, spec: RLJobSpec, config: EffectiveConfig, placements: Placements | None = None
 ) -> dict[str, Any]:
     """The LeaderWorkerSet of spec.actors.group: spec.actors.replicas groups of group.pods pods each. Both templates
     are the actor's pods as ``actor_pod`` renders them (Pod Security restricted, the fingerprint and template hash
     annotated); LeaderWorkerSet adds each pod's group and worker index. A pod whose container restarts restarts its
-    whole group (RecreateGroupOnPodRestart): an engine that lost a rank cannot serve. A changed template rolls one
-    group at a time; the barrier waits for or evicts the group being replaced, as for a lost pod."""
+    whole group (RecreateGroupOnPodRestart): an engine that lost a rank cannot serve. A changed template replaces
+    every group at once, as the operator replaces changed single-pod actors (a new fingerprint must not wait for a
+    rolling update); the barrier waits for or evicts the groups being replaced, as for lost pods."""
     group = spec.actors.group
     if group is None:
         raise ValueError("actor_groups renders spec.actors.group, which is unset")
     leader = actor_pod(job, spec, config, 0, placements)
     worker = actor_pod(job, spec, config, 0, placements, keys.ACTOR_WORKER)
     return {
-        "apiVersion": LEADER_WORKER_SET_API,
+        "apiVersion": f"{LEADER_WORKER_SET_GROUP}/{LEADER_WORKER_SET_VERSION}",
         "kind": LEADER_WORKER_SET,
         "metadata": job.metadata(actor_set_name(job.name), keys.ACTOR),
         "spec": {
@@ -319,7 +343,7 @@ def actor_groups(
             "startupPolicy": "LeaderCreated",
             "rolloutStrategy": {
                 "type": "RollingUpdate",
-                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+                "rollingUpdateConfiguration": {"maxUnavailable": spec.actors.replicas, "maxSurge": 0},
             },
             "networkConfig": {"subdomainPolicy": "Shared"},
             "leaderWorkerTemplate": {

@@ -40,6 +40,11 @@ OPERATOR_USERNAME = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVI
 # What a service-account token bound to a pod carries: the name and UID of that pod.
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+# LeaderWorkerSet's pods (multi-pod actor groups): the label it sets on each, and who creates and deletes them, which
+# the barrier's admission policy lets handle Lockstep-labelled pods of a set (crds/admission-barrier.yaml).
+GROUP_SET_NAME = "leaderworkerset.sigs.k8s.io/name"
+STATEFULSET_CONTROLLER_USERNAME = "system:serviceaccount:kube-system:statefulset-controller"
+LWS_CONTROLLER_USERNAME = "system:serviceaccount:lws-system:lws-controller-manager"
 # Members of this group may write every Lockstep annotation and label on Lockstep's pods, to repair one by hand
 # (crds/admission-barrier.yaml; docs/barrier-protocol.md).
 BREAK_GLASS_GROUP = "lockstep:break-glass"

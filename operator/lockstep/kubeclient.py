@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from lockstep import api, keys, kueue, responses
+from lockstep import api, desired, keys, kueue, responses
 
 RLJOBS = (api.GROUP, api.VERSION, api.RLJOBS)
 POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
@@ -106,6 +106,7 @@ class KubeClient:
             "RoleBinding": self.rbac.patch_namespaced_role_binding,
             "NetworkPolicy": self.networking.patch_namespaced_network_policy,
             kueue.WORKLOAD: self._patch_workload,
+            desired.LEADER_WORKER_SET: self._patch_group_set,
         }
         patchers[child["kind"]](
             name,
@@ -117,10 +118,12 @@ class KubeClient:
         )
 
     def delete_child(self, kind: str, namespace: str, name: str) -> None:
-        """Delete a child the spec no longer asks for: a NetworkPolicy or a Kueue Workload."""
+        """Delete a child the spec no longer asks for: a NetworkPolicy, a Kueue Workload, or the LeaderWorkerSet of
+        a job whose pods stop (its pods go with it)."""
         deleters: dict[str, Callable[..., Any]] = {
             "NetworkPolicy": self.networking.delete_namespaced_network_policy,
             kueue.WORKLOAD: self._delete_workload,
+            desired.LEADER_WORKER_SET: self._delete_group_set,
         }
         _ignore(404, deleters[kind], name, namespace)
 
@@ -188,6 +191,23 @@ class KubeClient:
         self.custom.patch_namespaced_custom_object(
             kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name, body, **options
         )
+
+    def _patch_group_set(self, name: str, namespace: str, body: dict[str, Any], **options: Any) -> None:
+        self.custom.patch_namespaced_custom_object(*_group_set(namespace, name), body, **options)
+
+    def _delete_group_set(self, name: str, namespace: str) -> None:
+        self.custom.delete_namespaced_custom_object(*_group_set(namespace, name))
+
+
+def _group_set(namespace: str, name: str) -> tuple[str, str, str, str, str]:
+    """A job's LeaderWorkerSet, as the custom-object calls name it: group, version, namespace, plural, name."""
+    return (
+        desired.LEADER_WORKER_SET_GROUP,
+        desired.LEADER_WORKER_SET_VERSION,
+        namespace,
+        desired.LEADER_WORKER_SETS,
+        name,
+    )
 
 
 def write_pod(call: Callable[..., Any], *args: Any) -> None:

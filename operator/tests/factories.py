@@ -12,6 +12,15 @@ REWARD = "lockstep_workers.rewards:target_words"
 SHARED_VOLUME = {"hostPath": {"path": "/var/lib/lockstep", "type": "DirectoryOrCreate"}}
 
 
+def evaluate(expression: str, **activation: Any) -> Any:
+    """A CEL expression of the CRDs or admission policies, evaluated offline with ``activation`` (JSON values)."""
+    from celpy.adapter import json_to_cel
+
+    from lockstep.cli import _cel_program
+
+    return _cel_program(expression).evaluate({name: json_to_cel(value) for name, value in activation.items()})
+
+
 def job(name: str = "demo", *, status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "apiVersion": "lockstep.dev/v1alpha1",

@@ -1,5 +1,5 @@
 """spec.actors.group at admission: the CRD's CEL rules for the engine splits vLLM refuses, in the words `lockstep
-validate` shares with the API server, and the refusal of every group until the operator reconciles them."""
+validate` shares with the API server, and the group's immutability."""
 
 from __future__ import annotations
 
@@ -7,23 +7,16 @@ from typing import Any
 
 import pytest
 
-from factories import job
+from factories import evaluate, job
+from lockstep import api
 from lockstep.cli import schema_errors
-
-NOT_RECONCILED = (
-    "spec.actors.group: Invalid value: spec.actors.group: multi-pod actor groups are not yet reconciled by this "
-    "operator (issue 36: the API is defined, the LeaderWorkerSet is not yet created); remove spec.actors.group to "
-    "run single-pod actors"
-)
 
 
 def group_errors(**group: Any) -> list[str]:
-    """What admission says of a job whose actors are groups of ``group``, less the not-yet-reconciled refusal."""
+    """What admission says of a job whose actors are groups of ``group``."""
     spec = job()["spec"]
     spec["actors"]["group"] = group
-    errors = schema_errors(spec)
-    assert NOT_RECONCILED in errors, "a job with a group is refused until groups are reconciled"
-    return [error for error in errors if error != NOT_RECONCILED]
+    return schema_errors(spec)
 
 
 def test_single_pod_actors_are_admitted_as_before() -> None:
@@ -40,7 +33,7 @@ def test_single_pod_actors_are_admitted_as_before() -> None:
         {"pods": 2, "dataParallelSize": 4, "tensorParallelSize": 8, "expertParallel": True},
     ],
 )
-def test_a_split_into_whole_ranks_per_pod_breaks_no_rule_but_the_refusal(group: dict[str, Any]) -> None:
+def test_a_split_into_whole_ranks_per_pod_is_admitted(group: dict[str, Any]) -> None:
     assert group_errors(**group) == []
 
 
@@ -88,3 +81,27 @@ def test_a_group_of_one_pod_is_refused_by_the_schema() -> None:
     assert schema_errors(spec) == [
         "spec.actors.group.pods: Invalid value: 1: spec.actors.group.pods in body should be greater than or equal to 2"
     ]
+
+
+GROUP = {"pods": 2, "tensorParallelSize": 2}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "allowed"),
+    [
+        (None, None, True),
+        (GROUP, GROUP, True),
+        (None, GROUP, False),  # added: the actor pods are the operator's, the groups' pods a LeaderWorkerSet's
+        (GROUP, None, False),  # removed
+        (GROUP, {**GROUP, "pods": 4, "tensorParallelSize": 4}, False),  # resized
+    ],
+)
+def test_spec_actors_group_is_immutable_including_adding_and_removing_it(
+    old: dict[str, Any] | None, new: dict[str, Any] | None, allowed: bool
+) -> None:
+    rule = api.GROUP_IMMUTABLE_RULE
+    actors = {"image": "a", "replicas": 2}
+    before, after = {**actors, **({"group": old} if old else {})}, {**actors, **({"group": new} if new else {})}
+    assert bool(evaluate(rule["rule"], self=after, oldSelf=before)) is allowed
+    assert rule["message"].endswith("delete the RLJob and create it again with the spec.actors.group you want")
+    assert rule in api.ActorSpec.model_json_schema()["x-kubernetes-validations"], "on spec.actors, not on the field"

@@ -1,5 +1,7 @@
-"""spec.actors.group rendered: the job's LeaderWorkerSet (lockstep.desired.actor_groups), and the ranks a group
-takes in a transfer group (lockstep.reconcile.weights.ranks_per_member)."""
+"""spec.actors.group: the job's LeaderWorkerSet (lockstep.desired.actor_groups), the ranks a group takes in a
+transfer group (lockstep.reconcile.weights.ranks_per_member), and the reconcile of a job whose actors are groups:
+LeaderWorkerSet creates and recreates their pods, the operator applies the set, counts the groups, replaces a group
+with a drifted pod, and runs the barrier over the leaders."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from factories import SHARED_VOLUME, job
+from factories import SHARED_VOLUME, job, running
 from lockstep import desired, keys
 from lockstep.api import RLJobSpec
 from lockstep.parity import default_policy, effective_config
 from lockstep.podconfig import parse_actor_args
 from lockstep.reconcile.weights import ranks_per_member
+from reconcile_helpers import announce, plan_for, status_of
 
 JOB = desired.JobRef("demo", "team-a", "uid-1")
 
@@ -43,7 +46,9 @@ def test_a_job_of_groups_is_one_leader_worker_set_owned_by_it_with_a_group_per_r
     template = lws["spec"]["leaderWorkerTemplate"]
     assert template["size"] == 2
     assert template["restartPolicy"] == "RecreateGroupOnPodRestart", "an engine that lost a rank cannot serve"
-    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 1, "maxSurge": 0}
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 3, "maxSurge": 0}, (
+        "a new template replaces every group at once, as a new fingerprint replaces every single-pod actor"
+    )
 
 
 def test_the_leader_serves_the_engine_and_the_workers_run_its_headless_ranks_with_the_same_arguments() -> None:
@@ -105,3 +110,80 @@ def test_a_single_pod_actor_takes_its_effective_tensor_parallel_size() -> None:
     assert ranks_per_member(spec, effective_config(spec, default_policy())) == 2
     assert ranks_per_member(spec, None) == 2
     assert ranks_per_member(spec_of(None), None) == 1
+
+
+def grouped_job(**spec: Any) -> dict[str, Any]:
+    body = job(**spec)
+    body["spec"]["actors"]["group"] = GROUP
+    return body
+
+
+def group_pods(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's group pods as LeaderWorkerSet runs them: ready, with its labels (the test's stand-in for it)."""
+    spec = RLJobSpec.model_validate(body["spec"])
+    job_ref = desired.JobRef(body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"])
+    pods = [running(pod) for pod in desired.group_pods(job_ref, spec, effective_config(spec, default_policy()))]
+    for pod in pods:
+        pod["metadata"]["labels"][keys.GROUP_SET_NAME] = desired.actor_set_name(job_ref.name)
+    return pods
+
+
+def running_groups(**spec: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A grouped job after its first pass, with its trainer and its groups' pods running."""
+    body = grouped_job(**spec)
+    first = plan_for(body)
+    pods = [running(pod) for pod in first.create_pods] + group_pods(body)
+    return {**body, "status": status_of(first)}, pods
+
+
+def test_the_operator_creates_the_trainers_and_applies_the_set_and_leader_worker_set_creates_the_actors() -> None:
+    plan = plan_for(grouped_job())
+    assert [pod["metadata"]["name"] for pod in plan.create_pods] == ["demo-trainer-0"]
+    [group_set] = [child for child in plan.children if child["kind"] == "LeaderWorkerSet"]
+    assert group_set["spec"]["replicas"] == 2 and group_set["spec"]["leaderWorkerTemplate"]["size"] == 2
+    [role] = [child for child in plan.children if child["kind"] == "Role"]
+    assert role["rules"][0]["resourceNames"] == ["demo-actor-0", "demo-actor-1", "demo-trainer-0"], (
+        "the leaders write their acks; the workers get no access to pods"
+    )
+
+
+def test_running_groups_are_counted_as_groups_and_pods_and_nothing_of_theirs_is_deleted() -> None:
+    body, pods = running_groups()
+    plan = plan_for(body, pods)
+    assert plan.delete_pods == {} and plan.create_pods == []
+    status = status_of(plan)
+    assert status["actors"] == {"desired": 2, "ready": 2, "summary": "2/2"}
+    assert status["actorPods"] == {"desired": 4, "ready": 4, "summary": "4/4"}
+    assert status["phase"] == "Running"
+    [worker] = [pod for pod in pods if pod["metadata"]["name"] == "demo-actor-0-1"]
+    worker["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    status = status_of(plan_for(body, pods))
+    assert status["actors"]["summary"] == "2/2" and status["actorPods"]["summary"] == "3/4"
+
+
+def test_a_group_with_a_drifted_pod_is_replaced_whole_by_deleting_its_leader() -> None:
+    body, pods = running_groups()
+    [worker] = [pod for pod in pods if pod["metadata"]["name"] == "demo-actor-1-1"]
+    worker["metadata"]["annotations"][keys.CONFIG_FINGERPRINT] = "sha256:other"
+    plan = plan_for(body, pods)
+    assert list(plan.delete_pods) == ["demo-actor-1"], "LeaderWorkerSet recreates the group whose leader goes"
+    assert "drift" in plan.delete_pods["demo-actor-1"]
+
+
+def test_stopping_the_pods_deletes_the_set_else_leader_worker_set_would_create_them_again() -> None:
+    body, pods = running_groups()
+    plan = plan_for({**body, "spec": {**body["spec"], "suspend": True}}, pods)
+    assert ("LeaderWorkerSet", "demo-actor") in plan.remove_children
+    assert not [child for child in plan.children if child["kind"] == "LeaderWorkerSet"]
+    assert set(plan.delete_pods) == {pod["metadata"]["name"] for pod in pods}
+
+
+def test_the_barrier_runs_over_the_leaders_each_taking_a_rank_per_worker_of_its_engine() -> None:
+    body, pods = running_groups(weightSync={"backend": "gloo"})
+    [trainer] = [pod for pod in pods if pod["metadata"]["name"] == "demo-trainer-0"]
+    announce(trainer, 1)
+    plan = plan_for(body, pods)
+    barrier = status_of(plan)["barrier"]
+    assert set(barrier["members"]) == {"demo-actor-0", "demo-actor-1", "demo-trainer-0"}
+    assert barrier["transferRanks"] == {"demo-trainer-0": 0, "demo-actor-0": 1, "demo-actor-1": 3}
+    assert barrier["transferWorldSize"] == 5

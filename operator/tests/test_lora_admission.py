@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from factories import job
+from factories import evaluate, job
 from lockstep import admission, api
-from lockstep.cli import _cel_program, schema_errors
+from lockstep.cli import schema_errors
 from lockstep.parity import lora_refusal
 
 
@@ -21,12 +21,6 @@ def lora_spec(backend: str = "filesystem", **lora: Any) -> dict[str, Any]:
     if backend != "filesystem":
         del spec["weightSync"]["volume"]
     return spec
-
-
-def evaluate(expression: str, **activation: Any) -> Any:
-    from celpy.adapter import json_to_cel
-
-    return _cel_program(expression).evaluate({name: json_to_cel(value) for name, value in activation.items()})
 
 
 def test_a_lora_job_over_filesystem_is_admitted() -> None:

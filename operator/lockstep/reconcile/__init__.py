@@ -64,7 +64,7 @@ def _steps(run: Pass) -> None:
     if run.observed.taken:
         pods.report_taken(run, spec, config)
         return
-    placements = queue.admit(run, spec, wanted.all)
+    placements = queue.admit(run, spec, wanted.running)
     if spec.suspend:
         completion.interrupt_barrier(run, Reason.SUSPENDED, "the job is suspended (spec.suspend)")
         run.stop_all_pods("the job is suspended")

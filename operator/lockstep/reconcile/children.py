@@ -3,7 +3,7 @@ that the steps after read one picture instead of each scanning the pods again.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep import desired, keys
@@ -13,14 +13,29 @@ from lockstep.reconcile.context import Pass, annotation, pod_phase, role
 
 @dataclass(frozen=True)
 class Desired:
-    """The pods the job should have: its actors and trainers by name, and its preflight pod if enabled."""
+    """The pods the job should have: those the operator creates (its actors and trainers by name, and its
+    preflight pod if enabled), and with spec.actors.group the LeaderWorkerSet and the pods it creates."""
 
     pods: dict[str, dict[str, Any]]
     preflight: dict[str, Any] | None
+    group_set: dict[str, Any] | None = None
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The pods of the actor groups by name (desired.group_pods)."""
 
     @property
     def all(self) -> list[dict[str, Any]]:
+        """The pods the operator creates."""
         return [*self.pods.values(), *([self.preflight] if self.preflight else [])]
+
+    @property
+    def running(self) -> list[dict[str, Any]]:
+        """Every pod the job runs, the groups' too (what Kueue admits as one gang)."""
+        return [*self.all, *self.groups.values()]
+
+    def leader_of(self, name: str) -> str:
+        """The leader of the group pod ``name``: every pod of group i carries the index i."""
+        index = int(self.groups[name]["metadata"]["labels"][keys.INDEX])
+        return desired.pod_name(self.groups[name]["metadata"]["labels"][keys.JOB], keys.ACTOR, index)
 
 
 @dataclass(frozen=True)
@@ -43,14 +58,28 @@ class Children:
     """Pods whose spec differs from what the job asks for now."""
     missing: list[str]
     """Desired pods that do not exist."""
+    groups: dict[str, dict[str, Any]]
+    """The actor groups' pods that exist (LeaderWorkerSet's, not being deleted), by name. A drifted one names its
+    group's leader in ``drifted``: the whole group is replaced."""
 
 
 def classify(run: Pass, wanted: Desired, fingerprint: str) -> Children:
+    """The pods the operator creates, against what it wants of them; the groups' pods, which LeaderWorkerSet creates,
+    restarts and scales (a worker pod the spec no longer asks for is LeaderWorkerSet's to delete), only for drift."""
     preflight_name = wanted.preflight["metadata"]["name"] if wanted.preflight else None
-    pods = {name: pod for name, pod in run.pods.items() if name != preflight_name}
+    groups = {name: pod for name, pod in run.pods.items() if name in wanted.groups}
+    pods = {
+        name: pod
+        for name, pod in run.pods.items()
+        if name != preflight_name and name not in groups and role(pod) != keys.ACTOR_WORKER
+    }
     accounted = set(run.status.replacing) | set(run.status.restarting)
     drifted: dict[str, str] = {}
     changed: list[str] = []
+    for name, pod in groups.items():
+        leader = wanted.leader_of(name)
+        if annotation(pod, keys.CONFIG_FINGERPRINT) != fingerprint and leader in groups:
+            drifted.setdefault(leader, str(annotation(pod, keys.CONFIG_FINGERPRINT)))
     for name, pod in pods.items():
         target = wanted.pods.get(name)
         if target is None:
@@ -72,6 +101,7 @@ def classify(run: Pass, wanted: Desired, fingerprint: str) -> Children:
         drifted=drifted,
         changed=changed,
         missing=[name for name in wanted.pods if name not in pods],
+        groups=groups,
     )
 
 

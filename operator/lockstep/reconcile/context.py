@@ -118,6 +118,9 @@ class Pass:
         self.plan = Plan(status=status)
         self.pods = {p["metadata"]["name"]: p for p in observed.pods if not p["metadata"].get("deletionTimestamp")}
         """The job's pods that are not being deleted, by name."""
+        self.grouped = bool(((observed.job.get("spec") or {}).get("actors") or {}).get("group"))
+        """Whether the job's actors are groups (spec.actors.group), read before the spec is parsed: their
+        LeaderWorkerSet goes whenever the job's pods stop."""
         self.updates_stalled: str | None = None
         """Why no weight update opens for the version the actors should load (lockstep.barrier.held_back), for
         Ready; None when none is stalled."""
@@ -143,6 +146,8 @@ class Pass:
         this pass already deletes keeps its reason."""
         for name in self.pods:
             self.plan.delete_pods.setdefault(name, why)
+        if self.grouped:  # else LeaderWorkerSet creates the groups' pods again
+            self.plan.remove_children.append((desired.LEADER_WORKER_SET, desired.actor_set_name(self.job.name)))
         self.status.restarting = []
 
     def replace(self, pods: dict[str, str]) -> None:

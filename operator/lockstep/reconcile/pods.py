@@ -13,7 +13,7 @@ from lockstep.conditions import PARITY_LOCKED, READY
 from lockstep.parity import EffectiveConfig
 from lockstep.reconcile import completion, restarts, summary, weights
 from lockstep.reconcile.children import Children, Desired
-from lockstep.reconcile.context import Pass
+from lockstep.reconcile.context import Pass, role
 from lockstep.reconcile.reasons import Reason
 
 
@@ -23,6 +23,8 @@ def wanted(
     return Desired(
         {p["metadata"]["name"]: p for p in desired.pods(run.job, spec, config, placements, run.observed.trainer_env)},
         desired.preflight_pod(run.job, spec, config, placements) if spec.preflight.enabled else None,
+        desired.actor_groups(run.job, spec, config, placements) if spec.actors.group is not None else None,
+        {p["metadata"]["name"]: p for p in desired.group_pods(run.job, spec, config, placements)},
     )
 
 
@@ -30,7 +32,7 @@ def apply_children(run: Pass, spec: RLJobSpec, config: EffectiveConfig, pods: De
     """The job's other children: its pods' identity and access, its effective config, its Services, its
     NetworkPolicy (removed when the spec turns it off)."""
     run.plan.children = [
-        *desired.worker_access(run.job, [p["metadata"]["name"] for p in pods.all]),
+        *desired.worker_access(run.job, [p["metadata"]["name"] for p in pods.running if role(p) != keys.ACTOR_WORKER]),
         desired.config_map(run.job, spec, config),
         *desired.services(run.job),
     ]
@@ -149,13 +151,13 @@ def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str
     wait = restarts.backoff_remaining(run)
     if wait <= 0:
         run.plan.create_pods = [weights.with_committed_weights(run, children.desired.pods[n]) for n in children.missing]
+        if children.desired.group_set is not None:  # LeaderWorkerSet creates the groups' pods, and recreates them
+            run.plan.children.append(children.desired.group_set)
     elif children.missing or replaced:
         run.requeue(wait)
-    return {
-        name: pod
-        for name, pod in children.pods.items()
-        if name not in run.plan.delete_pods and name in children.desired.pods
-    }
+    staying = {**children.pods, **children.groups}
+    wanted = children.desired.pods.keys() | children.desired.groups.keys()
+    return {name: pod for name, pod in staying.items() if name not in run.plan.delete_pods and name in wanted}
 
 
 def readiness(run: Pass, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:

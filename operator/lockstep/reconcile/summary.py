@@ -13,18 +13,25 @@ from lockstep.reconcile.reasons import Reason
 
 
 def count(run: Pass, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:
-    """Ready and desired actors and trainers (``live``: the pods that count)."""
+    """Ready and desired actors (groups, with spec.actors.group: their leaders; and then all their pods apart) and
+    trainers (``live``: the pods that count)."""
 
-    def replicas(of: str, wanted: int) -> ReplicaStatus:
-        ready = sum(1 for p in live.values() if role(p) == of and pod_ready(p))
+    def replicas(roles: tuple[str, ...], wanted: int) -> ReplicaStatus:
+        ready = sum(1 for p in live.values() if role(p) in roles and pod_ready(p))
         return ReplicaStatus(desired=wanted, ready=ready, summary=f"{ready}/{wanted}")
 
-    run.status.actors = replicas(keys.ACTOR, spec.actors.replicas)
-    run.status.trainer = replicas(keys.TRAINER, spec.trainer.replicas)
+    group = spec.actors.group
+    run.status.actors = replicas((keys.ACTOR,), spec.actors.replicas)
+    run.status.actor_pods = (
+        None if group is None else replicas((keys.ACTOR, keys.ACTOR_WORKER), spec.actors.replicas * group.pods)
+    )
+    run.status.trainer = replicas((keys.TRAINER,), spec.trainer.replicas)
 
 
 def readiness(run: Pass) -> str:
-    return f"{run.status.actors.summary} actors and {run.status.trainer.summary} trainer pods ready"
+    pods = run.status.actor_pods
+    actors = "actors" if pods is None else f"actor groups ({pods.summary} of their pods)"
+    return f"{run.status.actors.summary} {actors} and {run.status.trainer.summary} trainer pods ready"
 
 
 def _for_gitops(run: Pass) -> None:
