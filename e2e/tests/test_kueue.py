@@ -1,6 +1,7 @@
 """RLJobs queued, admitted as one gang, and preempted by Kueue's real controller manager (built from
 sigs.k8s.io/kueue, lockstep_e2e.kueue), on a control plane of their own; the operator runs with --kueue and the RBAC
-the chart grants with kueue.enabled=true."""
+the chart grants with kueue.enabled=true (and leaderWorkerSet.enabled=true: LeaderWorkerSet runs there too, for a
+job whose actors are groups)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from lockstep_e2e.jobs import (
     rljob,
 )
 from lockstep_e2e.kueue import start_kueue
+from lockstep_e2e.lws import start_lws
 
 pytestmark = pytest.mark.cluster
 
@@ -39,19 +41,20 @@ POD_CPU = 1
 
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.ApiClient]:
-    """An admin client of a control plane with Lockstep installed, Kueue running, and the operator run with
-    --kueue; one ResourceFlavor."""
+    """An admin client of a control plane with Lockstep installed, Kueue and LeaderWorkerSet running, and the
+    operator run with --kueue; one ResourceFlavor."""
     workdir = tmp_path_factory.mktemp("kueue")
     with LocalCluster(workdir / "cluster") as cluster:
         api = cluster.api_client()
         install(api)
         controller = start_kueue(cluster, api, workdir / "kueue")
+        groups = start_lws(cluster, api, workdir / "lws")
         operator = start_operator(
             cluster,
             workdir / "operator.log",
             "--kueue",
             "--restart-backoff-seconds=1",
-            chart_values=("kueue.enabled=true",),
+            chart_values=("kueue.enabled=true", "leaderWorkerSet.enabled=true"),
         )
         flavor = {"nodeLabels": FLAVOR_LABELS, "tolerations": [FLAVOR_TOLERATION]}
         _create(api, "resourceflavors", {"metadata": {"name": "e2e-flavor"}, "spec": flavor})
@@ -59,6 +62,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.ApiClient]
             yield api
         finally:
             operator.stop()
+            groups.stop()
             controller.stop()
 
 
@@ -102,8 +106,18 @@ def queue_for_one_job(kube: client.ApiClient, namespace: str) -> str:
     return name
 
 
-def queued_job(kube: client.ApiClient, namespace: str, name: str, queue: str, priority: str | None = None) -> None:
-    job = rljob(name, actors=2)
+def queued_job(
+    kube: client.ApiClient,
+    namespace: str,
+    name: str,
+    queue: str,
+    priority: str | None = None,
+    group: dict[str, Any] | None = None,
+) -> None:
+    """A job of 3 pods that waits in ``queue``: 2 actors and a trainer, or with ``group`` 1 group and a trainer."""
+    job = rljob(name, actors=1 if group else 2)
+    if group:
+        job["spec"]["actors"]["group"] = group
     resources = {"requests": {"cpu": str(POD_CPU), "memory": "1Gi"}}
     job["spec"]["actors"]["resources"] = resources
     job["spec"]["trainer"]["resources"] = resources
@@ -142,6 +156,35 @@ def priorities(kube: client.ApiClient, namespace: str) -> tuple[str, str]:
 
 def conditions_of(workload: dict[str, Any]) -> dict[str, str]:
     return {c["type"]: c["status"] for c in (workload.get("status") or {}).get("conditions") or []}
+
+
+def test_a_job_of_actor_groups_is_one_gang_and_kueue_preempts_its_groups_whole(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """The job's one Workload counts its groups' pods beside its trainer (Lockstep's own gang, not Kueue's
+    LeaderWorkerSet integration, which would admit each group apart from the trainer); a preemption deletes the
+    LeaderWorkerSet, so no group is left half-running or recreated, and admission again brings the groups back."""
+    queue = queue_for_one_job(kube, namespace)
+    low, high = priorities(kube, namespace)
+    queued_job(kube, namespace, "grouped", queue, priority=low, group={"pods": 2, "tensorParallelSize": 2})
+    wait_phase(kube, namespace, "grouped", "Running", timeout=90)
+    sets = {s["name"]: s["count"] for s in workload(kube, namespace, "grouped")["spec"]["podSets"]}
+    assert sets == {keys.ACTOR: 1, keys.ACTOR_WORKER: 1, keys.TRAINER: 1}
+    names = {"grouped-actor-0", "grouped-actor-0-1", "grouped-trainer-0"}
+    assert {pod.metadata.name for pod in job_pods(kube, namespace, "grouped")} == names
+
+    queued_job(kube, namespace, "urgent", queue, priority=high)
+    assert condition(wait_phase(kube, namespace, "grouped", "Queued"), "Queued")["reason"] == "Preempted"
+    wait_phase(kube, namespace, "urgent", "Running")
+    wait_for(lambda: not job_pods(kube, namespace, "grouped"), "the preempted job's pods, its groups' too, to go")
+    custom = client.CustomObjectsApi(kube)
+    left = custom.list_namespaced_custom_object("leaderworkerset.x-k8s.io", "v1", namespace, "leaderworkersets")
+    assert left["items"] == [], "no LeaderWorkerSet recreates a preempted group"
+
+    complete(kube, namespace, "urgent")
+    wait_phase(kube, namespace, "grouped", "Running", timeout=90)
+    assert {pod.metadata.name for pod in job_pods(kube, namespace, "grouped")} == names
+    complete(kube, namespace, "grouped")
 
 
 HOLD = "test.lockstep.dev/hold"

@@ -17,7 +17,7 @@ from lockstep.api import RLJobSpec
 from lockstep.parity import default_policy, effective_config
 from lockstep.podconfig import parse_actor_args
 from lockstep.reconcile.weights import ranks_per_member
-from reconcile_helpers import announce, plan_for, status_of
+from reconcile_helpers import announce, condition, plan_for, status_of
 
 JOB = desired.JobRef("demo", "team-a", "uid-1")
 
@@ -157,8 +157,10 @@ def test_running_groups_are_counted_as_groups_and_pods_and_nothing_of_theirs_is_
     assert status["phase"] == "Running"
     [worker] = [pod for pod in pods if pod["metadata"]["name"] == "demo-actor-0-1"]
     worker["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    status = status_of(plan_for(body, pods))
+    plan = plan_for(body, pods)
+    status = status_of(plan)
     assert status["actors"]["summary"] == "2/2" and status["actorPods"]["summary"] == "3/4"
+    assert condition(plan, "Ready") == ("False", "PodsNotReady"), "a group runs once every pod of it does"
 
 
 def test_a_group_with_a_drifted_pod_is_replaced_whole_by_deleting_its_leader() -> None:

@@ -165,7 +165,7 @@ def readiness(run: Pass, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> No
     Every pod ready but weight updates stalled (``run.updates_stalled``): Running, Ready=False WeightUpdateStalled,
     which kstatus reads as Stalled."""
     summary.count(run, spec, live)
-    if run.status.actors.ready == spec.actors.replicas and run.status.trainer.ready == spec.trainer.replicas:
+    if summary.all_ready(run.status):
         run.status.phase = Phase.RUNNING
         if run.updates_stalled is not None:
             run.condition(READY, False, Reason.WEIGHT_UPDATE_STALLED, run.updates_stalled)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lockstep import keys
-from lockstep.api import ReplicaStatus, RLJobSpec
+from lockstep.api import ReplicaStatus, RLJobSpec, RLJobStatus
 from lockstep.conditions import READY, RECONCILING, STALLED, find
 from lockstep.reconcile import reasons
 from lockstep.reconcile.context import Pass, Plan, pod_ready, role
@@ -26,6 +26,13 @@ def count(run: Pass, spec: RLJobSpec, live: dict[str, dict[str, Any]]) -> None:
         None if group is None else replicas((keys.ACTOR, keys.ACTOR_WORKER), spec.actors.replicas * group.pods)
     )
     run.status.trainer = replicas((keys.TRAINER,), spec.trainer.replicas)
+
+
+def all_ready(status: RLJobStatus) -> bool:
+    """Every actor (every pod of every group: a leader may pass its probe before LeaderWorkerSet has created its
+    workers) and every trainer ready."""
+    counts = [status.actors, status.trainer, *([status.actor_pods] if status.actor_pods else [])]
+    return all(count.ready == count.desired for count in counts)
 
 
 def readiness(run: Pass) -> str:
