@@ -21,4 +21,4 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 export PYTHONPATH="operator:workers:e2e${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cuda
 python3 -m pytest -q -p no:cacheprovider --timeout 600 workers/tests/test_tensor_parallel_load.py \
-  "workers/tests/test_actor.py::test_a_group_of_two_pods_serves_one_engine_split_over_them"
+  "workers/tests/test_actor.py::test_an_in_flight_update_reaches_every_rank_of_a_group_split_over_two_pods"

@@ -82,23 +82,32 @@ def assert_spans_the_update(result: dict[str, Any], model_dir: Path, updated: di
 
 
 def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
+    from lockstep_workers.actor import applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
-    from lockstep_workers.weights import DigestMismatch, WeightsDirectory
 
     model_dir = create_tiny_llama(tmp_path / "model")
     updated, weights = updated_model(model_dir, tmp_path / "weights")
+    args = engine_args(str(model_dir), applied_settings(cpu_vllm_settings()))
+    result = update_mid_request(args, tmp_path / "weights", weights)
+    assert_spans_the_update(result, model_dir, updated)
+
+
+def update_mid_request(args: Any, directory: Path, weights: Any) -> dict[str, Any]:
+    """An Actor on an engine of ``args``: a long request, and while it runs a pause, a load of ``weights`` (version
+    1, published in ``directory``; a copy with another digest refused first) and a resume; the request's result."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lockstep_workers.actor import Actor
+    from lockstep_workers.weights import DigestMismatch, WeightsDirectory
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(cpu_vllm_settings())))
+        llm = AsyncLLM.from_engine_args(args)
         actor = Actor(llm)
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
             await asyncio.sleep(0.5)
             await actor.pause()
-            origin = WeightsDirectory(tmp_path / "weights")
+            origin = WeightsDirectory(directory)
             wrong = weights.model_copy(update={"digest": "sha256:" + "0" * 64})
             with pytest.raises(DigestMismatch):
                 origin.read(wrong)
@@ -114,18 +123,13 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
         finally:
             llm.shutdown()
 
-    assert_spans_the_update(asyncio.run(scenario()), model_dir, updated)
+    return asyncio.run(scenario())
 
 
 @contextmanager
-def actor_process(
-    tmp_path: Path, group: ActorGroup | None = None
-) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
+def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
     """``python -m lockstep_workers.actor`` on a tiny model with the arguments the operator renders under the
-    default policy; yields its URL, its model and the process once it reports ready (its log: ``actor.log``). With
-    ``group``, the actor is the leader of a group whose other pods run ``lockstep_workers.headless`` with the same
-    arguments, as processes on this host (their logs: ``worker-<index>.log``), told their place as LeaderWorkerSet
-    tells its pods."""
+    default policy; yields its URL, its model and the process once it reports ready (its log: ``actor.log``)."""
     from lockstep.api import VllmSettings
     from lockstep.parity import default_policy, settings_dict
     from lockstep.podconfig import actor_args
@@ -141,37 +145,15 @@ def actor_process(
         "maxModelLen": 256,
         "gpuMemoryUtilization": 0.2,
     }
-    args = actor_args(str(model_dir), port, VllmSettings.model_validate(vllm), group)
-    argv = [sys.executable, "-m", "lockstep_workers.actor", *args]
-    placed = {environment.GROUP_LEADER_ADDRESS: "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    logs = ExitStack()
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "lockstep_workers.headless", *args],
-            stdout=logs.enter_context((tmp_path / f"worker-{index}.log").open("w")),
-            stderr=subprocess.STDOUT,
-            env={
-                **os.environ,
-                **placed,
-                environment.GROUP_WORKER_INDEX: str(index),
-                "CUDA_VISIBLE_DEVICES": str(index),
-            },
-        )
-        for index in range(1, group.pods if group else 1)
-    ]
-    # Each process sees a GPU of its own where there are GPUs (e2e/gpu/group_check.sh), as each pod would.
-    leader = (
-        {**os.environ, **placed, environment.GROUP_WORKER_INDEX: "0", "CUDA_VISIBLE_DEVICES": "0"} if group else None
-    )
+    settings = VllmSettings.model_validate(vllm)
+    argv = [sys.executable, "-m", "lockstep_workers.actor", *actor_args(str(model_dir), port, settings)]
     with (tmp_path / "actor.log").open("w") as log:
-        actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=leader)
+        actor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 240
             while True:
                 assert actor.poll() is None, (tmp_path / "actor.log").read_text()[-3000:]
-                for index, worker in enumerate(workers, start=1):
-                    assert worker.poll() is None, (tmp_path / f"worker-{index}.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the actor did not become ready"
                 try:
                     with urllib.request.urlopen(f"{base}/ready", timeout=2) as response:
@@ -182,9 +164,38 @@ def actor_process(
             yield base, model_dir, actor
         finally:
             _stop(actor)
+
+
+@contextmanager
+def headless_workers(tmp_path: Path, args: list[str], group: ActorGroup) -> Iterator[None]:
+    """The pods of ``group`` but its leader: ``python -m lockstep_workers.headless`` with the group's ``args``, as
+    processes on this host (their logs: ``worker-<index>.log``), each told its place as LeaderWorkerSet tells its
+    pods, and a GPU of its own where there are GPUs (e2e/gpu/group_check.sh)."""
+    with ExitStack() as logs:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "lockstep_workers.headless", *args],
+                stdout=logs.enter_context((tmp_path / f"worker-{index}.log").open("w")),
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **group_pod_env(index)},
+            )
+            for index in range(1, group.pods)
+        ]
+        try:
+            yield
+        finally:
             for worker in workers:
                 _stop(worker)
-            logs.close()
+
+
+def group_pod_env(index: int) -> dict[str, str]:
+    """What LeaderWorkerSet's webhook tells pod ``index`` of a group whose leader is on this host."""
+    return {
+        environment.GROUP_LEADER_ADDRESS: "127.0.0.1",
+        environment.GROUP_WORKER_INDEX: str(index),
+        "CUDA_VISIBLE_DEVICES": str(index),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
 
 
 def _stop(actor: subprocess.Popen[bytes]) -> None:
@@ -331,23 +342,32 @@ def test_sigterm_shuts_the_actor_process_down_cleanly(served: tuple[str, Path, s
 
 
 @pytest.mark.timeout(300)
-def test_a_group_of_two_pods_serves_one_engine_split_over_them(tmp_path: Path) -> None:
-    """Issue 36: a leader (the actor, node 0) and a worker (lockstep_workers.headless, node 1) with the same command
-    line run one tensor-parallel engine of 2 ranks, one in each process, as two pods of a group would; it samples
-    with the logprobs the trainer computes."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def test_an_in_flight_update_reaches_every_rank_of_a_group_split_over_two_pods(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: a group's leader (the actor's engine as node 0, placed by ``leader_placement`` from LeaderWorkerSet's
+    variables, as in the actor's pod) and a worker (lockstep_workers.headless, node 1, a process of its own) with
+    the same command line run one tensor-parallel engine of 2 ranks. A long request spans a weight update, which
+    every rank loads (its shard of the published file, checked): each token's logprob is exact under the weights it
+    was sampled with, which a rank left on the old head would break for half the vocabulary."""
+    from lockstep.podconfig import actor_args, parse_actor_args
+    from lockstep_e2e.cluster import free_port
+    from lockstep_workers.actor import applied_settings, engine_args, leader_placement
+    from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
 
-    with actor_process(tmp_path, ActorGroup(pods=2, tensor_parallel_size=2)) as (base, model_dir, _):
-        body = {"prompt_token_ids": [1, 10, 11], "sampling": {"temperature": 0.7, "max_tokens": 8, "ignore_eos": True}}
-        request = urllib.request.Request(f"{base}/generate", data=json.dumps(body).encode())
-        with urllib.request.urlopen(request, timeout=60) as response:
-            result = json.loads(response.read())
+    model_dir = create_tiny_llama(tmp_path / "model")
+    updated, weights = updated_model(model_dir, tmp_path / "weights")
+    group = ActorGroup(pods=2, tensor_parallel_size=2)
+    settings = cpu_vllm_settings()
+    args = actor_args(str(model_dir), free_port(), settings, group)
+    for name, value in group_pod_env(0).items():
+        monkeypatch.setenv(name, value)
+    with headless_workers(tmp_path, args, group):
+        placed = leader_placement(parse_actor_args(args))
+        assert placed is not None and (placed["nnodes"], placed["node_rank"]) == (2, 0)
+        result = update_mid_request(
+            engine_args(str(model_dir), applied_settings(settings), placement=placed), tmp_path / "weights", weights
+        )
     worker_log = (tmp_path / "worker-1.log").read_text()
     assert "headless multiproc executor" in worker_log, worker_log[-2000:]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = body["prompt_token_ids"] + result["token_ids"]
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0, 2:-1] / 0.7
-    trainer = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(result["token_ids"])[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(result["logprobs"]), trainer, atol=1e-4)
+    assert_spans_the_update(result, model_dir, updated)
