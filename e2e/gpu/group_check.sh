@@ -4,8 +4,9 @@
 # and at least two GPUs, and the device machines lent so far have one GPU and no vLLM (docs/actor-groups.md).
 #
 # From the repository root of a machine with lockstep[workers,dev] and vLLM installed: e2e/gpu/group_check.sh
-# It runs the same two tests as on the CPU (workers/tests/test_actor.py's group of two pods: the actor as the leader,
-# lockstep_workers.headless as the worker, tensor parallel 2, logprobs against transformers'; and
+# It runs the same two tests as on the CPU (workers/tests/test_actor.py's group of two pods: the actor's engine as the
+# leader, lockstep_workers.headless as the worker, tensor parallel 2, an in-flight update loaded on both ranks and
+# logprobs against transformers' across it; and
 # workers/tests/test_tensor_parallel_load.py's reload checked on both shards), with vLLM on CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
