@@ -221,7 +221,7 @@ class LocalCluster:
             credentials = self._write_credentials()
             etcd_port = free_port()
             self._launch("etcd", self._etcd_args(etcd_port))
-            self._wait("etcd to accept connections", deadline, lambda: _port_open(etcd_port))
+            self._wait("etcd to accept connections", deadline, lambda: port_open(etcd_port))
             self._launch("kube-apiserver", self._apiserver_args(etcd_port, credentials))
             self._wait("kube-apiserver to report ready", deadline, self._apiserver_ready)
             self._launch("kube-controller-manager", self._controller_manager_args(credentials))
@@ -471,7 +471,8 @@ class LocalCluster:
         return True
 
 
-def _port_open(port: int) -> bool:
+def port_open(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port``."""
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 

@@ -18,6 +18,7 @@ from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.collector import Collector, running_collector
 from lockstep_e2e.install import install, start_operator
 from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
+from lockstep_e2e.lws import start_lws
 
 
 @pytest.fixture(scope="session")
@@ -91,17 +92,20 @@ def lockstep(
     collector: Collector,
 ) -> Iterator[Component]:
     """Lockstep installed (CRDs, admission policies, default ParityPolicy) and its operator running, exporting its
-    traces to ``collector`` as the chart's operator.tracing.otlpEndpoint sets it up.
+    traces to ``collector`` as the chart's operator.tracing.otlpEndpoint sets it up, beside LeaderWorkerSet's
+    controller (the chart's leaderWorkerSet.enabled: jobs whose actors are groups).
 
     Restarts wait 1 s (doubling) instead of 10 s, so restart tests stay short.
     """
     install(kube)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    workdir = tmp_path_factory.mktemp("operator")
+    groups = start_lws(cluster, kube, workdir / "lws")
     flags = ("--restart-backoff-seconds=1", f"--metrics-port={operator_metrics_port}")
-    tracing = (f"operator.tracing.otlpEndpoint={collector.endpoint}",)
-    operator = start_operator(cluster, log, *flags, chart_values=tracing)
+    values = (f"operator.tracing.otlpEndpoint={collector.endpoint}", "leaderWorkerSet.enabled=true")
+    operator = start_operator(cluster, workdir / "operator.log", *flags, chart_values=values)
     yield operator
     operator.stop()
+    groups.stop()
 
 
 def running_job(kube: client.ApiClient, namespace: str, name: str, actors: int, **spec: Any) -> list[str]:

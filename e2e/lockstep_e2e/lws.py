@@ -10,6 +10,7 @@ so the conversion webhook that the module's kustomization adds is left out.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import yaml
 from kubernetes import client
 
 from lockstep_e2e import build
-from lockstep_e2e.cluster import Component, LocalCluster, free_port
+from lockstep_e2e.cluster import ClusterError, Component, LocalCluster, free_port, port_open
 from lockstep_e2e.install import apply
 from lockstep_e2e.pki import webhook_certificates
 
@@ -78,4 +79,13 @@ def start_lws(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeo
         env={"KUBECONFIG": str(cluster.kubeconfig)},
     )
     controller.start_until_answering(f"http://127.0.0.1:{health_port}/readyz", timeout)
+    # Ready is said before the webhook server listens (2 s apart, seen here); until then every pod of a set is
+    # refused, its webhooks' failurePolicy being Fail.
+    deadline = time.monotonic() + timeout
+    while not port_open(webhook_port):
+        controller.check_alive()
+        if time.monotonic() > deadline:
+            controller.stop()
+            raise ClusterError(f"LeaderWorkerSet's webhook server did not listen within {timeout:.0f}s")
+        time.sleep(0.2)
     return controller

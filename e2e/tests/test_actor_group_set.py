@@ -1,11 +1,10 @@
-"""An RLJob whose actors are groups of two pods (spec.actors.group), on a control plane of its own with Lockstep's
-CRDs and admission policies, LeaderWorkerSet's real controller and webhooks (lockstep_e2e.lws), and the operator
-with the chart's RBAC for LeaderWorkerSets. Pods are kwok's; the barrier's agents are the real PodAgent on recording
-engines, one per group leader, each with a token bound to its pod (lockstep_e2e.agents)."""
+"""An RLJob whose actors are groups of two pods (spec.actors.group), with LeaderWorkerSet's real controller and
+webhooks (lockstep_e2e.lws) beside the session's operator, which has the chart's RBAC for LeaderWorkerSets. Pods are
+kwok's; the barrier's agents are the real PodAgent on recording engines, one per group leader, each with a token
+bound to its pod (lockstep_e2e.agents)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,46 +13,15 @@ from kubernetes import client
 from lockstep import keys
 from lockstep.api import ActorGroup
 from lockstep_e2e.agents import running_agents
-from lockstep_e2e.cluster import LocalCluster
-from lockstep_e2e.fixtures import fresh_namespace, push_weights, wait_for, weights_version
-from lockstep_e2e.install import install, start_operator
+from lockstep_e2e.fixtures import push_weights, wait_for, weights_version
 from lockstep_e2e.jobs import announce_weights, create_job, get_job, rljob
-from lockstep_e2e.lws import start_lws
 from lockstep_workers.group import node_of
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
 GROUP = {"pods": 2, "tensorParallelSize": 2}
 LEADERS = ["big-actor-0", "big-actor-1"]
 PODS = {"big-actor-0", "big-actor-0-1", "big-actor-1", "big-actor-1-1"}
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.ApiClient]:
-    """An admin client of a control plane with Lockstep installed, LeaderWorkerSet running, and the operator run
-    with the chart's leaderWorkerSet.enabled."""
-    workdir = tmp_path_factory.mktemp("lws")
-    with LocalCluster(workdir / "cluster") as cluster:
-        api = cluster.api_client()
-        install(api)
-        controller = start_lws(cluster, api, workdir / "lws")
-        operator = start_operator(
-            cluster,
-            workdir / "operator.log",
-            "--restart-backoff-seconds=1",
-            chart_values=("leaderWorkerSet.enabled=true",),
-        )
-        try:
-            yield api
-        finally:
-            operator.stop()
-            controller.stop()
-
-
-@pytest.fixture
-def namespace(kube: client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
-    with fresh_namespace(kube, request.node.name) as name:
-        yield name
 
 
 def pods(kube: client.ApiClient, namespace: str) -> dict[str, Any]:

@@ -7,16 +7,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 
 from lockstep import desired, keys
 from lockstep.api import RLJobSpec
 from lockstep.parity import default_policy, effective_config
 from lockstep.protocol import PreflightResult, document
-from lockstep_e2e import build
 from lockstep_e2e.fixtures import fresh_namespace, wait_for
-from lockstep_e2e.install import apply, pod_client
+from lockstep_e2e.install import pod_client
 from lockstep_e2e.jobs import condition, create_job, get_job, job_pods, phase, rljob
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
@@ -74,34 +72,34 @@ def test_the_preflight_actor_and_trainer_pods_meet_pod_security_restricted(
     assert names == ["guarded-actor-0", "guarded-actor-1", "guarded-trainer-0"]
 
 
-def test_an_actor_group_is_a_leader_worker_set_its_crd_accepts_with_pods_that_meet_restricted(
+def test_the_pods_of_actor_groups_meet_pod_security_restricted_and_their_set_keeps_every_field(
     kube: client.ApiClient, restricted: str
 ) -> None:
-    """spec.actors.group's LeaderWorkerSet (lockstep.desired.actor_groups; not yet applied by the operator,
-    docs/actor-groups.md) against LeaderWorkerSet's own CRD at the pinned version, and a pod of each of its
-    templates, named as LeaderWorkerSet names them, where Pod Security enforces "restricted"."""
-    crd_file = build.lws_module() / "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
-    apply(kube, [yaml.safe_load(crd_file.read_text())])
-    body = rljob("grouped", actors=2, weightSync={"backend": "gloo"})["spec"]
-    body["actors"]["group"] = {"pods": 2, "tensorParallelSize": 2}
-    spec = RLJobSpec.model_validate(body)
-    job = desired.JobRef("grouped", restricted, "uid-grouped")
-    group_set = desired.actor_groups(job, spec, effective_config(spec, default_policy()))
-    created = client.CustomObjectsApi(kube).create_namespaced_custom_object(
-        "leaderworkerset.x-k8s.io", "v1", restricted, "leaderworkersets", group_set, dry_run="All"
+    """A job whose actors are groups (spec.actors.group): the StatefulSet controller creates its LeaderWorkerSet's
+    pods where Pod Security enforces "restricted", and the set the API server stored holds every field the operator
+    rendered (LeaderWorkerSet's CRD prunes a field it does not know, silently)."""
+    job = rljob("grouped", actors=2, weightSync={"backend": "gloo"})
+    job["spec"]["actors"]["group"] = {"pods": 2, "tensorParallelSize": 2}
+    created = create_job(kube, restricted, job)
+    names = {"grouped-actor-0", "grouped-actor-0-1", "grouped-actor-1", "grouped-actor-1-1", "grouped-trainer-0"}
+
+    def group_pods_exist() -> bool:
+        ready = condition(get_job(kube, restricted, "grouped"), "Ready")
+        assert ready.get("reason") != "ChildRejected", ready["message"]
+        return {pod.metadata.name for pod in job_pods(kube, restricted, "grouped")} == names
+
+    wait_for(group_pods_exist, f"the pods {sorted(names)}", timeout=90)
+    spec = RLJobSpec.model_validate(job["spec"])
+    ref = desired.JobRef("grouped", restricted, created["metadata"]["uid"])
+    rendered = desired.actor_groups(ref, spec, effective_config(spec, default_policy()))
+    stored = client.CustomObjectsApi(kube).get_namespaced_custom_object(
+        desired.LEADER_WORKER_SET_GROUP,
+        desired.LEADER_WORKER_SET_VERSION,
+        restricted,
+        desired.LEADER_WORKER_SETS,
+        desired.actor_set_name("grouped"),
     )
-    assert _holds(created["spec"], group_set["spec"]), "the API server pruned a field LeaderWorkerSet does not know"
-    templates = group_set["spec"]["leaderWorkerTemplate"]
-    core = client.CoreV1Api(kube)
-    core.create_namespaced_service_account(restricted, {"metadata": {"name": desired.worker_account_name(job.name)}})
-    named = {"grouped-actor-0": templates["leaderTemplate"], "grouped-actor-0-1": templates["workerTemplate"]}
-    for name, template in named.items():
-        # Without the managed-by label, which the barrier's admission policy lets only the operator set (StatefulSet's
-        # controller, which creates a LeaderWorkerSet's pods, is refused it: docs/actor-groups.md, "Not built yet").
-        labels = {key: value for key, value in template["metadata"]["labels"].items() if key != keys.MANAGED_BY}
-        metadata = {**template["metadata"], "labels": labels, "name": name}
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata}
-        core.create_namespaced_pod(restricted, pod | {"spec": template["spec"]}, dry_run="All")
+    assert _holds(stored["spec"], rendered["spec"]), "the API server pruned a field LeaderWorkerSet does not know"
 
 
 def _holds(stored: Any, sent: Any) -> bool:

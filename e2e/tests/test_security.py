@@ -291,34 +291,35 @@ def test_only_the_controllers_of_a_leader_worker_set_handle_the_lockstep_pods_of
     """Actor groups (docs/actor-groups.md): the StatefulSet controller creates a LeaderWorkerSet's pods with the
     managed-by label, and LeaderWorkerSet's controller, which runs in a pod of its own, deletes a group's leader to
     recreate the group. Only they, and only on pods of a LeaderWorkerSet; the same label gets a pod token nothing."""
+    # A group's leader, with what LeaderWorkerSet's own pod webhook (which runs here) expects of the pods of a set.
     in_a_set = {keys.MANAGED_BY: keys.MANAGER, keys.JOB: "sets", keys.GROUP_SET_NAME: "sets-actor"}
+    leader = bare_pod("sets-actor-0", labels={**in_a_set, "leaderworkerset.sigs.k8s.io/worker-index": "0"})
+    leader["metadata"]["annotations"] = {"leaderworkerset.sigs.k8s.io/size": "2"}
     statefulsets = client.CoreV1Api(impersonating(kube, keys.STATEFULSET_CONTROLLER_USERNAME))
     outside = bare_pod("sets-trainer-0", labels={keys.MANAGED_BY: keys.MANAGER, keys.JOB: "sets"})
     assert refused(lambda: statefulsets.create_namespaced_pod(namespace, outside)).startswith(
         f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/sets-trainer-0) marks a pod as managed by "
         f"Lockstep: only {MANAGED_BY_SETTERS}, not {keys.STATEFULSET_CONTROLLER_USERNAME}"
     )
-    statefulsets.create_namespaced_pod(namespace, bare_pod("sets-actor-0", labels=in_a_set))
-    statefulsets.create_namespaced_pod(namespace, bare_pod("sets-actor-0-1", labels=in_a_set))
+    statefulsets.create_namespaced_pod(namespace, leader)
+    unlabel = {"metadata": {"labels": {keys.MANAGED_BY: None}}}
+    assert refused(lambda: statefulsets.patch_namespaced_pod("sets-actor-0", namespace, unlabel)).startswith(
+        f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/sets-actor-0)"
+    ), "only at creation"
 
     # A token bound to a pod, as LeaderWorkerSet's controller holds one in its own pod; RBAC lets it delete pods.
     bound = {keys.POD_NAME_EXTRA: "lws-controller-manager-0", keys.POD_UID_EXTRA: "uid-of-its-pod"}
-    lws_user = keys.LWS_CONTROLLER_USERNAME
-    for user in (lws_user, f"system:serviceaccount:{namespace}:intruder"):
-        user_namespace, name = user.split(":")[2:]
-        apply(
-            kube, pod_rbac(namespace, {"kind": "ServiceAccount", "name": name, "namespace": user_namespace}, ["delete"])
-        )
-    intruder = client.CoreV1Api(impersonating(kube, f"system:serviceaccount:{namespace}:intruder", extra=bound))
+    intruder = f"system:serviceaccount:{namespace}:intruder"
+    for user in (keys.LWS_CONTROLLER_USERNAME, intruder):
+        account_namespace, name = user.split(":")[2:]
+        subject = {"kind": "ServiceAccount", "name": name, "namespace": account_namespace}
+        apply(kube, pod_rbac(namespace, subject, ["delete"]))
+    as_intruder = client.CoreV1Api(impersonating(kube, intruder, extra=bound))
     assert "a service-account token bound to a pod may only update that pod itself, not DELETE pod" in refused(
-        lambda: intruder.delete_namespaced_pod("sets-actor-0", namespace)
+        lambda: as_intruder.delete_namespaced_pod("sets-actor-0", namespace)
     )
-    client.CoreV1Api(impersonating(kube, lws_user, extra=bound)).delete_namespaced_pod("sets-actor-0", namespace)
-    assert refused(
-        lambda: statefulsets.patch_namespaced_pod(
-            "sets-actor-0-1", namespace, {"metadata": {"labels": {keys.MANAGED_BY: None}}}
-        )
-    ).startswith(f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod ")
+    as_lws = client.CoreV1Api(impersonating(kube, keys.LWS_CONTROLLER_USERNAME, extra=bound))
+    as_lws.delete_namespaced_pod("sets-actor-0", namespace)
 
 
 def test_the_policy_covers_only_lockstep_pods_and_break_glass_repairs_them(
