@@ -13,7 +13,8 @@ rewritten to the local directory.
 
 ``JobPods`` runs every pod of an RLJob this way, on local ports (each actor's own; the trainer is
 pointed at them), reports a process's exit as the pod's phase, and stops a process once its pod is
-deleted, as a kubelet does.
+deleted, as a kubelet does. The pods of an actor group (LeaderWorkerSet's) run so too, their leader's address
+resolving to 127.0.0.1; the group's rendezvous port is fixed, so one group at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lockstep import keys
 from lockstep.desired import JobRef, pod_name, rank0_name, trainer_host
+from lockstep.environment import GROUP_LEADER_ADDRESS
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
 from lockstep_e2e.install import read_pod, service_account_token
 from lockstep_e2e.jobs import get_job
@@ -240,14 +242,19 @@ class JobPods:
             fresh = name not in self.running and uid not in self.exited
             phase = str(pod.status.phase)
             if fresh and pod.metadata.deletion_timestamp is None and phase in ("Pending", "Running"):
-                self._run(name, uid)
+                self._run(name, uid, pod)
 
-    def _run(self, name: str, uid: str) -> None:
+    def _run(self, name: str, uid: str, pod: client.V1Pod) -> None:
         overrides: dict[str, Any]
         job = get_job(self.api, self.namespace, self.job)
-        trainer = trainer_host(JobRef(self.job, self.namespace, job["metadata"]["uid"]))
+        hosts = [trainer_host(JobRef(self.job, self.namespace, job["metadata"]["uid"]))]
+        # A pod of an actor group reaches its leader at the address LeaderWorkerSet's webhook gave it.
+        env = {variable.name: str(variable.value) for variable in pod.spec.containers[0].env or [] if variable.value}
+        hosts += [env[GROUP_LEADER_ADDRESS]] if GROUP_LEADER_ADDRESS in env else []
         if name in self.urls:
             overrides = {"args": {"--port": self.urls[name].rsplit(":", 1)[1]}}
+        elif (pod.metadata.labels or {}).get(keys.ROLE) == keys.ACTOR_WORKER:
+            overrides = {}  # vLLM's headless ranks: they serve nothing, and meet the leader at its own port
         else:
             port = self.rendezvous.setdefault(job.get("status", {}).get("restarts", 0), free_port())
             metrics = self.metrics.get(name, ":0").rsplit(":", 1)[1]
@@ -256,8 +263,7 @@ class JobPods:
             actors = {"LOCKSTEP_ACTORS_SERVICE": "", "LOCKSTEP_ACTORS_URL": ",".join(self.urls.values())}
             overrides = {"env": {**env, **actors}}
         log = self.logs / f"{name}.log"
-        pod = run_pod(self.cluster, self.api, self.namespace, name, log, hosts=[trainer], **overrides)
-        self.running[name] = (uid, pod)
+        self.running[name] = (uid, run_pod(self.cluster, self.api, self.namespace, name, log, hosts=hosts, **overrides))
 
     def scrape_metrics(self) -> dict[str, str]:
         """The /metrics text of each running pod that serves one (every actor; trainer rank 0) and answered.

@@ -64,12 +64,13 @@ def tiny_rl_job(
     trainers: int,
     trainer: dict[str, Any] | None = None,
     dtype: str = "float32",
+    group: dict[str, Any] | None = None,
     **spec: Any,
 ) -> dict[str, Any]:
     """An RLJob that teaches the tiny random Llama at ``model`` the target words task, on the CPU, in ``dtype`` on
     both sides, or with ``trainer`` (spec.trainer fields, e.g. TEXT_TASK) another: a field that is a mapping, such as
-    rollout or objective, is merged into the default's, any other replaces it; ``spec`` adds or replaces top-level
-    spec fields (by default weights go through files on ``shared``)."""
+    rollout or objective, is merged into the default's, any other replaces it; ``group``: spec.actors.group;
+    ``spec`` adds or replaces top-level spec fields (by default weights go through files on ``shared``)."""
     spec.setdefault("weightSync", {"volume": {"hostPath": {"path": str(shared), "type": "DirectoryOrCreate"}}})
     defaults = {
         "steps": steps,
@@ -83,7 +84,7 @@ def tiny_rl_job(
             "rolloutCorrection": {"mode": "truncate", "upper": 2.0},
         },
     }
-    return rljob(
+    job = rljob(
         name,
         actors=actors,
         trainers=trainers,
@@ -93,6 +94,9 @@ def tiny_rl_job(
         actor_env=[{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
         **spec,
     )
+    if group is not None:
+        job["spec"]["actors"]["group"] = group
+    return job
 
 
 @dataclass
@@ -126,11 +130,13 @@ def run_tiny_rl_job(
     trainer: dict[str, Any] | None = None,
     model: Path | None = None,
     dtype: str = "float32",
+    group: dict[str, Any] | None = None,
     **spec: Any,
 ) -> RunResult:
     """Create the job (its manifest also written to ``workdir/rljob.yaml``; ``spec`` adds top-level spec fields;
     ``text``: the text task; ``trainer``: spec.trainer fields over the task's, merged as tiny_rl_job merges them;
-    ``model``: a model directory to train instead of a tiny random one made for the task, in ``dtype``),
+    ``model``: a model directory to train instead of a tiny random one made for the task, in ``dtype``; ``group``:
+    spec.actors.group, each of the ``actors`` a group of pods that LeaderWorkerSet creates),
     run its pods until it finishes, and collect what it recorded. ``timeout`` is below test_rl_job's 600 s, so that a
     stalled run fails with the ending of every pod's log; ``before_start`` sees the job once its pods exist, before
     their containers start; ``watch`` sees the job and its pods every second. With ``preflight: {enabled: true}``
@@ -141,7 +147,16 @@ def run_tiny_rl_job(
     shared = workdir / "shared"
     trainer = merged(TEXT_TASK if text else {}, trainer or {})
     manifest = tiny_rl_job(
-        name, model, shared, steps=steps, actors=actors, trainers=trainers, trainer=trainer, dtype=dtype, **spec
+        name,
+        model,
+        shared,
+        steps=steps,
+        actors=actors,
+        trainers=trainers,
+        trainer=trainer,
+        dtype=dtype,
+        group=group,
+        **spec,
     )
     (workdir / "rljob.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     job = create_job(kube, namespace, manifest)

@@ -207,6 +207,25 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
     assert {s.service for s in steps} == {"lockstep-trainer"}
 
 
+def test_an_rl_job_whose_actor_is_a_group_of_two_pods_updates_every_rank_of_its_engine(
+    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """Issue 36: the actor is a group of two pods that LeaderWorkerSet creates, one engine tensor parallel over them
+    (the leader's actor as node 0, vLLM's headless rank in the worker pod, each a process here). Every weight update
+    is a barrier of the group's leader, which loads the version on both ranks: the tokens the trainer learns from
+    stay on-policy to fp32 precision, which a rank left on old weights would break for half of every layer."""
+    result = run_tiny_rl_job(
+        cluster, kube, namespace, tmp_path, steps=3, actors=1, trainers=1, group={"pods": 2, "tensorParallelSize": 2}
+    )
+    status = result.job["status"]
+    assert status["phase"] == "Succeeded", status
+    assert status["actorPods"]["desired"] == 2
+    worker = (tmp_path / "pods" / "tiny-actor-0-1.log").read_text()
+    assert "headless multiproc executor" in worker and "rank=1" in worker, worker[-2000:]
+    assert [u["version"] for u in result.updates["tiny-actor-0"]] == [1, 2, 3], "the group's leader loaded each one"
+    assert worst_onpolicy_mismatch(result) < FP32_MISMATCH
+
+
 def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retried(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
 ) -> None:
