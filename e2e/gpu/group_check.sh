@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Issue 36's actor group on GPUs: one vLLM engine split over two processes standing for two pods of a group, one GPU
-# each, and the load check of two tensor-parallel workers on their shards. Never run yet: it needs vLLM's CUDA build
-# and at least two GPUs, and the device machines lent so far have one GPU and no vLLM (docs/actor-groups.md).
+# Issue 36's actor group on GPUs: the reload of a tensor-parallel engine of two ranks, one GPU each, checked on both
+# shards (workers/tests/test_tensor_parallel_load.py, as on the CPU, with vLLM on CUDA). Never run yet: it needs vLLM's
+# CUDA build and at least two GPUs, and the device machines lent so far have one GPU and no vLLM
+# (docs/actor-groups.md). The engine split over two pods (the leader's actor and lockstep_workers.headless) is tested
+# on the CPU by e2e/tests/test_rl_job.py's job of a group, which needs the local control plane: not here.
 #
 # From the repository root of a machine with lockstep[workers,dev] and vLLM installed: e2e/gpu/group_check.sh
-# It runs the same two tests as on the CPU (workers/tests/test_actor.py's group of two pods: the actor's engine as the
-# leader, lockstep_workers.headless as the worker, tensor parallel 2, an in-flight update loaded on both ranks and
-# logprobs against transformers' across it; and
-# workers/tests/test_tensor_parallel_load.py's reload checked on both shards), with vLLM on CUDA.
+
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 gpus=$(nvidia-smi -L | wc -l)
@@ -21,5 +20,4 @@ if ! python3 -c "import vllm" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 export PYTHONPATH="operator:workers:e2e${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cuda
-python3 -m pytest -q -p no:cacheprovider --timeout 600 workers/tests/test_tensor_parallel_load.py \
-  "workers/tests/test_actor.py::test_an_in_flight_update_reaches_every_rank_of_a_group_split_over_two_pods"
+python3 -m pytest -q -p no:cacheprovider --timeout 600 workers/tests/test_tensor_parallel_load.py

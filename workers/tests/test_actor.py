@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-
-from lockstep import environment
-from lockstep.api import ActorGroup
 
 pytestmark = pytest.mark.vllm
 
@@ -82,32 +78,23 @@ def assert_spans_the_update(result: dict[str, Any], model_dir: Path, updated: di
 
 
 def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
-    from lockstep_workers.actor import applied_settings, engine_args
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lockstep_workers.actor import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
+    from lockstep_workers.weights import DigestMismatch, WeightsDirectory
 
     model_dir = create_tiny_llama(tmp_path / "model")
     updated, weights = updated_model(model_dir, tmp_path / "weights")
-    args = engine_args(str(model_dir), applied_settings(cpu_vllm_settings()))
-    result = update_mid_request(args, tmp_path / "weights", weights)
-    assert_spans_the_update(result, model_dir, updated)
-
-
-def update_mid_request(args: Any, directory: Path, weights: Any) -> dict[str, Any]:
-    """An Actor on an engine of ``args``: a long request, and while it runs a pause, a load of ``weights`` (version
-    1, published in ``directory``; a copy with another digest refused first) and a resume; the request's result."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from lockstep_workers.actor import Actor
-    from lockstep_workers.weights import DigestMismatch, WeightsDirectory
 
     async def scenario() -> dict[str, Any]:
-        llm = AsyncLLM.from_engine_args(args)
+        llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(cpu_vllm_settings())))
         actor = Actor(llm)
         try:
             request = asyncio.create_task(actor.generate(PROMPT, LONG_REQUEST))
             await asyncio.sleep(0.5)
             await actor.pause()
-            origin = WeightsDirectory(directory)
+            origin = WeightsDirectory(tmp_path / "weights")
             wrong = weights.model_copy(update={"digest": "sha256:" + "0" * 64})
             with pytest.raises(DigestMismatch):
                 origin.read(wrong)
@@ -123,7 +110,7 @@ def update_mid_request(args: Any, directory: Path, weights: Any) -> dict[str, An
         finally:
             llm.shutdown()
 
-    return asyncio.run(scenario())
+    assert_spans_the_update(asyncio.run(scenario()), model_dir, updated)
 
 
 @contextmanager
@@ -164,38 +151,6 @@ def actor_process(tmp_path: Path) -> Iterator[tuple[str, Path, subprocess.Popen[
             yield base, model_dir, actor
         finally:
             _stop(actor)
-
-
-@contextmanager
-def headless_workers(tmp_path: Path, args: list[str], group: ActorGroup) -> Iterator[None]:
-    """The pods of ``group`` but its leader: ``python -m lockstep_workers.headless`` with the group's ``args``, as
-    processes on this host (their logs: ``worker-<index>.log``), each told its place as LeaderWorkerSet tells its
-    pods, and a GPU of its own where there are GPUs (e2e/gpu/group_check.sh)."""
-    with ExitStack() as logs:
-        workers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "lockstep_workers.headless", *args],
-                stdout=logs.enter_context((tmp_path / f"worker-{index}.log").open("w")),
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **group_pod_env(index)},
-            )
-            for index in range(1, group.pods)
-        ]
-        try:
-            yield
-        finally:
-            for worker in workers:
-                _stop(worker)
-
-
-def group_pod_env(index: int) -> dict[str, str]:
-    """What LeaderWorkerSet's webhook tells pod ``index`` of a group whose leader is on this host."""
-    return {
-        environment.GROUP_LEADER_ADDRESS: "127.0.0.1",
-        environment.GROUP_WORKER_INDEX: str(index),
-        "CUDA_VISIBLE_DEVICES": str(index),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
 
 
 def _stop(actor: subprocess.Popen[bytes]) -> None:
@@ -339,35 +294,3 @@ def test_sigterm_shuts_the_actor_process_down_cleanly(served: tuple[str, Path, s
     assert actor.wait(timeout=60) == 0, "SIGTERM shuts the actor down cleanly"
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"vLLM processes left behind: {alive}"
-
-
-@pytest.mark.timeout(300)
-def test_an_in_flight_update_reaches_every_rank_of_a_group_split_over_two_pods(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 36: a group's leader (the actor's engine as node 0, placed by ``leader_placement`` from LeaderWorkerSet's
-    variables, as in the actor's pod) and a worker (lockstep_workers.headless, node 1, a process of its own) with
-    the same command line run one tensor-parallel engine of 2 ranks. A long request spans a weight update, which
-    every rank loads (its shard of the published file, checked): each token's logprob is exact under the weights it
-    was sampled with, which a rank left on the old head would break for half the vocabulary."""
-    from lockstep.podconfig import actor_args, parse_actor_args
-    from lockstep_e2e.cluster import free_port
-    from lockstep_workers.actor import applied_settings, engine_args, leader_placement
-    from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
-
-    model_dir = create_tiny_llama(tmp_path / "model")
-    updated, weights = updated_model(model_dir, tmp_path / "weights")
-    group = ActorGroup(pods=2, tensor_parallel_size=2)
-    settings = cpu_vllm_settings()
-    args = actor_args(str(model_dir), free_port(), settings, group)
-    for name, value in group_pod_env(0).items():
-        monkeypatch.setenv(name, value)
-    with headless_workers(tmp_path, args, group):
-        placed = leader_placement(parse_actor_args(args))
-        assert placed is not None and (placed["nnodes"], placed["node_rank"]) == (2, 0)
-        result = update_mid_request(
-            engine_args(str(model_dir), applied_settings(settings), placement=placed), tmp_path / "weights", weights
-        )
-    worker_log = (tmp_path / "worker-1.log").read_text()
-    assert "headless multiproc executor" in worker_log, worker_log[-2000:]
-    assert_spans_the_update(result, model_dir, updated)
