@@ -32,14 +32,14 @@ PARAMS_NOT_SYNCED = "not yet synced to use for admission"
 informer for that kind has listed it (it waits 1 s): transient, right after the policy is created."""
 
 
+def documents(path: Path) -> list[dict[str, Any]]:
+    """Every document in the YAML file ``path``."""
+    return [document for document in yaml.safe_load_all(path.read_text()) if document]
+
+
 def manifests(directory: Path = CRD_DIR) -> list[dict[str, Any]]:
     """Every document in ``directory``'s YAML files (``apply`` puts the CRDs first)."""
-    return [
-        document
-        for path in sorted(directory.glob("*.yaml"))
-        for document in yaml.safe_load_all(path.read_text())
-        if document
-    ]
+    return [document for path in sorted(directory.glob("*.yaml")) for document in documents(path)]
 
 
 def apply(api: client.ApiClient, documents: list[dict[str, Any]], timeout: float = 60.0) -> None:

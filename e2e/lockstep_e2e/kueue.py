@@ -20,7 +20,7 @@ from kubernetes import client
 from lockstep import kueue
 from lockstep_e2e import build
 from lockstep_e2e.cluster import Component, LocalCluster, free_port
-from lockstep_e2e.install import apply
+from lockstep_e2e.install import apply, documents
 from lockstep_e2e.pki import webhook_certificates
 
 NAMESPACE = "kueue-system"
@@ -32,12 +32,8 @@ CONVERTED_CRDS = ("workloads", "clusterqueues", "localqueues", "cohorts", "multi
 """Kueue's CRDs that serve two versions through its conversion webhook (config/components/crd/patches)."""
 
 
-def _documents(path: Path) -> list[dict[str, Any]]:
-    return [document for document in yaml.safe_load_all(path.read_text()) if document]
-
-
 def _crds(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
-    crds = [crd for path in sorted((module / "config/components/crd/bases").glob("*.yaml")) for crd in _documents(path)]
+    crds = [crd for path in sorted((module / "config/components/crd/bases").glob("*.yaml")) for crd in documents(path)]
     for crd in crds:
         if crd["spec"]["names"]["plural"] in CONVERTED_CRDS:
             webhook = {"clientConfig": {**client_config, "url": client_config["url"] + "/convert"}}
@@ -50,7 +46,7 @@ def _crds(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _webhooks(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
     """Kueue's webhook configurations with only the webhooks for its own kinds, each called on loopback."""
-    configurations = _documents(module / "config/components/webhook/manifests.yaml")
+    configurations = documents(module / "config/components/webhook/manifests.yaml")
     for configuration in configurations:
         configuration["metadata"]["name"] = f"kueue-{configuration['metadata']['name']}"
         own = [

@@ -17,9 +17,10 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from lockstep import keys
 from lockstep_e2e import build
 from lockstep_e2e.cluster import ClusterError, Component, LocalCluster, free_port, port_open
-from lockstep_e2e.install import apply
+from lockstep_e2e.install import apply, documents
 from lockstep_e2e.pki import webhook_certificates
 
 NAMESPACE = "lws-system"
@@ -28,19 +29,13 @@ SERVICE = "lws-webhook-service"
 SECRET = "lws-webhook-server-cert"
 CA_NAME = "lws-ca"
 """The name LeaderWorkerSet's certificate rotator checks its CA for (pkg/cert)."""
-NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-"""The label LeaderWorkerSet puts on every pod of a set; its pod webhooks select on it."""
-
-
-def _documents(path: Path) -> list[dict[str, Any]]:
-    return [document for document in yaml.safe_load_all(path.read_text()) if document]
 
 
 def _webhooks(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
     """LeaderWorkerSet's webhook configurations, named as its rotator knows them, the pod webhooks limited to its
     pods (config/webhook's patches), each webhook called on loopback."""
-    configurations = _documents(module / "config/webhook/manifests.yaml")
-    pods_of_a_set = {"matchExpressions": [{"key": NAME_LABEL, "operator": "Exists"}]}
+    configurations = documents(module / "config/webhook/manifests.yaml")
+    pods_of_a_set = {"matchExpressions": [{"key": keys.GROUP_SET_NAME, "operator": "Exists"}]}
     for configuration in configurations:
         configuration["metadata"]["name"] = f"lws-{configuration['metadata']['name']}"
         for hook in configuration["webhooks"]:
@@ -59,7 +54,7 @@ def start_lws(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeo
     webhook_port, health_port, metrics_port = free_port(), free_port(), free_port()
     client_config = {"url": f"https://127.0.0.1:{webhook_port}", "caBundle": certificates.ca_bundle}
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
-    crds = [crd for path in sorted((module / "config/crd/bases").glob("*.yaml")) for crd in _documents(path)]
+    crds = [crd for path in sorted((module / "config/crd/bases").glob("*.yaml")) for crd in documents(path)]
     apply(api, [namespace, certificates.secret, *crds, *_webhooks(module, client_config)], timeout)
     configuration = {
         "apiVersion": "config.lws.x-k8s.io/v1alpha1",

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from lockstep import keys, kueue
+from lockstep import desired, keys, kueue
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import fresh_namespace, push_weights, wait_for
 from lockstep_e2e.install import install, start_operator
@@ -178,7 +178,8 @@ def test_a_job_of_actor_groups_is_one_gang_and_kueue_preempts_its_groups_whole(
     wait_phase(kube, namespace, "urgent", "Running")
     wait_for(lambda: not job_pods(kube, namespace, "grouped"), "the preempted job's pods, its groups' too, to go")
     custom = client.CustomObjectsApi(kube)
-    left = custom.list_namespaced_custom_object("leaderworkerset.x-k8s.io", "v1", namespace, "leaderworkersets")
+    group, version = desired.LEADER_WORKER_SET_GROUP, desired.LEADER_WORKER_SET_VERSION
+    left = custom.list_namespaced_custom_object(group, version, namespace, desired.LEADER_WORKER_SETS)
     assert left["items"] == [], "no LeaderWorkerSet recreates a preempted group"
 
     complete(kube, namespace, "urgent")

@@ -67,7 +67,7 @@ def _steps(run: Pass) -> None:
     placements = queue.admit(run, spec, wanted.running)
     if spec.suspend:
         completion.interrupt_barrier(run, Reason.SUSPENDED, "the job is suspended (spec.suspend)")
-        run.stop_all_pods("the job is suspended")
+        run.stop_all_pods(spec, "the job is suspended")
         run.status.phase = Phase.SUSPENDED
         run.condition(READY, False, Reason.SUSPENDED, "spec.suspend is true: pods are deleted, the status is kept")
         summary.count(run, spec, {})

@@ -50,7 +50,7 @@ def interrupt_barrier(run: Pass, reason: str, why: str, *, resumes: bool = True)
 
 def tidy_finished(run: Pass, spec: RLJobSpec) -> None:
     """A finished job keeps no pods, its Workload says it finished, and it goes after ttlSecondsAfterFinished."""
-    run.stop_all_pods(f"the job {run.status.phase.value.lower()}")
+    run.stop_all_pods(spec, f"the job {run.status.phase.value.lower()}")
     _finish_workloads(run)
     if spec.ttl_seconds_after_finished is None or run.status.finished_time is None:
         return

@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any
 
 from lockstep import desired, keys, kueue
-from lockstep.api import RLJobStatus
+from lockstep.api import RLJobSpec, RLJobStatus
 from lockstep.conditions import set_condition
 from lockstep.events import PassScope
 from lockstep.times import rfc3339
@@ -118,9 +118,6 @@ class Pass:
         self.plan = Plan(status=status)
         self.pods = {p["metadata"]["name"]: p for p in observed.pods if not p["metadata"].get("deletionTimestamp")}
         """The job's pods that are not being deleted, by name."""
-        self.grouped = bool(((observed.job.get("spec") or {}).get("actors") or {}).get("group"))
-        """Whether the job's actors are groups (spec.actors.group), read before the spec is parsed: their
-        LeaderWorkerSet goes whenever the job's pods stop."""
         self.updates_stalled: str | None = None
         """Why no weight update opens for the version the actors should load (lockstep.barrier.held_back), for
         Ready; None when none is stalled."""
@@ -141,12 +138,12 @@ class Pass:
         """Ask for another pass in ``seconds`` (the soonest of what the steps ask for)."""
         self.plan.requeue_after = seconds if self.plan.requeue_after is None else min(self.plan.requeue_after, seconds)
 
-    def stop_all_pods(self, why: str) -> None:
+    def stop_all_pods(self, spec: RLJobSpec, why: str) -> None:
         """Delete every pod by choice (the job is suspended, queued or finished): no restart is under way. A pod
-        this pass already deletes keeps its reason."""
+        this pass already deletes keeps its reason. Actor groups go with their LeaderWorkerSet."""
         for name in self.pods:
             self.plan.delete_pods.setdefault(name, why)
-        if self.grouped:  # else LeaderWorkerSet creates the groups' pods again
+        if spec.actors.group is not None:  # else LeaderWorkerSet creates the groups' pods again
             self.plan.remove_children.append((desired.LEADER_WORKER_SET, desired.actor_set_name(self.job.name)))
         self.status.restarting = []
 

@@ -117,7 +117,7 @@ def release_for_quota(run: Pass, spec: RLJobSpec, quotas: list[str], refused: st
     names = ", ".join(quotas)
     why = f"ResourceQuota {names} refused some of the job's pods: a job runs all its pods or none"
     completion.interrupt_barrier(run, Reason.QUOTA_EXCEEDED, why)
-    run.stop_all_pods(why)
+    run.stop_all_pods(spec, why)
     run.status.phase = Phase.PENDING
     run.condition(
         READY,

@@ -23,7 +23,7 @@ def valid_spec(run: Pass) -> RLJobSpec | None:
         run.condition(READY, False, Reason.INVALID_SPEC, f"the RLJob spec is invalid: {error}")
         return None
     if problems := reserved_settings(spec):
-        run.stop_all_pods("the job's env or mounts take over the operator's own")
+        run.stop_all_pods(spec, "the job's env or mounts take over the operator's own")
         run.status.phase = Phase.PENDING
         message = f"the RLJob spec is invalid: {'; '.join(problems)}; no pods run until it is fixed"
         run.condition(READY, False, Reason.INVALID_SPEC, message)
@@ -83,7 +83,7 @@ def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
         if config.lora_conflict:
             refusals.append(config.lora_conflict.refusal(config.policy))
         message = f"{'. '.join(refusals)}; no pods run until then"
-        run.stop_all_pods("the job conflicts with its ParityPolicy")
+        run.stop_all_pods(spec, "the job conflicts with its ParityPolicy")
         run.status.phase = Phase.PENDING
         run.condition(PARITY_LOCKED, False, Reason.CONFLICTS_WITH_POLICY, message)
         run.condition(READY, False, Reason.CONFLICTS_WITH_POLICY, message)

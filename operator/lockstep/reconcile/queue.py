@@ -95,7 +95,7 @@ def _wait(run: Pass, spec: RLJobSpec, queued: QueueStatus, reason: str, message:
     if spec.suspend:
         return
     completion.interrupt_barrier(run, reason, f"the job waits in LocalQueue {queued.local_queue} for Kueue")
-    run.stop_all_pods("Kueue has not admitted the job (or evicted it)")
+    run.stop_all_pods(spec, "Kueue has not admitted the job (or evicted it)")
     run.status.phase = Phase.QUEUED
     run.condition(READY, False, Reason.QUEUED, text)
     summary.count(run, spec, {})
