@@ -1,8 +1,8 @@
 """Benchmark: weight updates at real model sizes, on random Llama-shaped state dicts (fp32, made in memory).
 
 ``python -m lockstep_e2e.bench_weights [--sizes 0.1 0.5 1.0] [--repeats 3] [--step-seconds 4] [--parts ...]
-[--memory-sizes 0.5]`` (``make bench-weights``; the parts: publish, actor, gloo, lora, memory). Each part measures one
-share of an update and prints its table; all write out/benchmarks/weights.json.
+[--memory-sizes 0.5]`` (``make bench-weights``; the parts: publish, actor, gloo, lora, memory, stream). Each part
+measures one share of an update and prints its table; all write out/benchmarks/weights.json.
 
 **publish**, the trainer's share: each of ``repeats`` steps computes for ``step-seconds`` (matrix products, the
 stand-in for a learning step), then gathers the weights (the stand-in: a copy of the state dict, which is what
@@ -44,6 +44,12 @@ on 1 rank over gloo, Adam over the parameters that train; for LoRA the adapter i
 frozen), full weights and LoRA, each in a fresh process, at ``--memory-sizes``: the peak resident memory
 (VmHWM) of the build and of the learn step, and the optimizer state's bytes.
 
+**stream**, the trainer's publish of a mixture of experts at ``--memory-sizes`` (a random Qwen3-MoE, 16 experts a
+layer, sharded on 1 rank over gloo), each way in a fresh process: whole (``sharding.full_state_dict``: every layer
+gathered, then written) against streamed (``sharding.gathered_layers`` into ``weights.StreamedPublish`` with a
+buffer of ``STREAM_BUFFER_BYTES``, smaller than the version): the peak resident memory over the model's, the time
+the trainer's thread was held, and the time until the file was in place.
+
 Not a test: nothing here asserts a time.
 """
 
@@ -79,7 +85,15 @@ from lockstep_workers.adapters import LoraEngine
 from lockstep_workers.agent import AgentCore, Staged
 from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
 from lockstep_workers.transfer import ManifestServer, Sender, TrainerManifests, manifest_uri
-from lockstep_workers.weights import Publisher, WeightsDirectory, WeightsOrigin, digest_of, publish, version_path
+from lockstep_workers.weights import (
+    Publisher,
+    StreamedPublish,
+    WeightsDirectory,
+    WeightsOrigin,
+    digest_of,
+    publish,
+    version_path,
+)
 
 VOCABULARY = 16384
 
@@ -855,12 +869,121 @@ def _learn_once(model_dir: str, with_lora: bool, results: Any) -> None:
     dist.destroy_process_group()
 
 
+STREAM_BUFFER_BYTES = 64 << 20
+"""The streamed publish's buffer in the stream part: well under one version, so that it streams."""
+
+
+@dataclass
+class PublishMemory:
+    """One publish of a random mixture of experts of one size, whole or streamed, in a fresh process (the docstring)."""
+
+    gigabytes: float
+    streamed: bool
+    layers: int
+    peak_over_model_gb: float
+    """The process's peak resident memory (VmHWM) during the publish, over its resident memory before it (the model
+    sharded on one rank)."""
+    blocked_s: float
+    """How long the trainer's thread was held: the gather, and (streamed) its waits for the writer."""
+    written_s: float
+    """From the publish's start until the version's file was renamed into place."""
+
+
+def moe_config(gigabytes: float) -> Any:
+    """A Qwen3-MoE config of about ``gigabytes`` of fp32 weights: 16 experts (top 2) of 512 per layer, hidden 1024."""
+    from transformers import Qwen3MoeConfig
+
+    per_layer = 16 * 3 * 1024 * 512 + 4 * 1024 * 1024  # experts, attention
+    layers = max(1, round(gigabytes * 1e9 / 4 / per_layer))
+    return Qwen3MoeConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        intermediate_size=2048,
+    )
+
+
+def stream_part(sizes: list[float], repeats: int, step_seconds: float, scratch: Path) -> list[PublishMemory]:
+    """The trainer's publish of a mixture of experts, whole (``sharding.full_state_dict``, then ``weights.publish``)
+    against streamed (``sharding.gathered_layers`` into ``weights.StreamedPublish`` with a STREAM_BUFFER_BYTES
+    buffer), each in a fresh process: the peak memory over the model's, and the times."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = []
+    for target in sizes:
+        for streamed in (False, True):
+            queue = context.SimpleQueue()
+            process = context.Process(target=_publish_once, args=(target, streamed, str(scratch), queue))
+            process.start()
+            process.join()
+            if process.exitcode != 0 or queue.empty():
+                raise RuntimeError(f"the publish's process failed (exit {process.exitcode})")
+            result = PublishMemory(**queue.get())
+            results.append(result)
+            print(
+                f"publish of a mixture of experts, {result.gigabytes:5.2f} GB in {result.layers} layers,"
+                f" {'streamed' if result.streamed else 'whole'}: peak {result.peak_over_model_gb:.2f} GB over the"
+                f" model's, trainer held {result.blocked_s:.2f} s, written in {result.written_s:.2f} s",
+                flush=True,
+            )
+    return results
+
+
+def _publish_once(gigabytes: float, streamed: bool, scratch: str, results: Any) -> None:
+    """In a fresh process: a random mixture of experts of ``gigabytes`` sharded on 1 rank over gloo, published once
+    as the trainer publishes it (streamed or whole); put what it cost on ``results``."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers import sharding
+
+    mesh = sharding.start(0, 1, torch.device("cpu"))
+    causal_lm = AutoModelForCausalLM.from_config(moe_config(gigabytes), dtype=torch.float32)
+    sharding.shard(causal_lm, mesh, compute_dtype=torch.float32, fp32_head=True)
+    bytes_ = sum(p.numel() * p.element_size() for p in causal_lm.parameters())
+    directory = Path(scratch) / f"stream-{gigabytes}-{streamed}"
+    before = _memory_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    started = time.monotonic()
+    if streamed:
+        writing = StreamedPublish(sharding.checkpoint_layout(causal_lm), directory, 1, 3, limit=STREAM_BUFFER_BYTES)
+        for layer in sharding.gathered_layers(causal_lm):
+            writing.put(layer)
+        writing.close()
+        blocked = time.monotonic() - started
+        writing.result()
+    else:
+        whole = sharding.full_state_dict(causal_lm)
+        blocked = time.monotonic() - started
+        publish(whole, directory, 1)
+    written = time.monotonic() - started
+    results.put(
+        {
+            "gigabytes": round(bytes_ / 1e9, 2),
+            "streamed": streamed,
+            "layers": causal_lm.config.num_hidden_layers,
+            "peak_over_model_gb": round((_memory_kb("VmHWM") - before) * 1024 / 1e9, 2),
+            "blocked_s": round(blocked, 2),
+            "written_s": round(written, 2),
+        }
+    )
+    shutil.rmtree(directory, ignore_errors=True)
+    dist.destroy_process_group()
+
+
 PARTS: dict[str, Callable[[list[float], int, float, Path], Sequence[object]]] = {
     "publish": publish_part,
     "actor": actor_part,
     "gloo": gloo_part,
     "lora": lora_part,
     "memory": memory_part,
+    "stream": stream_part,
 }
 
 
@@ -871,7 +994,7 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=4.0, help="the learning step's stand-in")
     parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=sorted(PARTS))
     parser.add_argument(
-        "--memory-sizes", type=float, nargs="+", default=[0.5], help="the memory part's model sizes in GB"
+        "--memory-sizes", type=float, nargs="+", default=[0.5], help="the memory and stream parts' model sizes in GB"
     )
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmarks" / "weights.json")
     options = parser.parse_args()
@@ -883,7 +1006,7 @@ def main() -> None:
     results: list[object] = []
     try:
         for part in options.parts:
-            sizes = options.memory_sizes if part == "memory" else options.sizes
+            sizes = options.memory_sizes if part in ("memory", "stream") else options.sizes
             results.extend(PARTS[part](sizes, options.repeats, options.step_seconds, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from lockstep_workers.learner import Policy
-
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-"""Whole tensors, on rank 0 and in CPU memory: each is gathered from its shards and moved off the accelerator in
-turn, so no second full copy of the model is ever on the GPU."""
 
 
 def accelerator(local_rank: int) -> torch.device:
@@ -78,48 +74,84 @@ def shard(
 
 
 TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-"""As FULL, without the frozen parameters (a LoRA job's base)."""
+"""Whole tensors, on rank 0 and in CPU memory, without the frozen parameters (a LoRA job's base)."""
 
 
 def full_state_dict(causal_lm: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The whole model in its checkpoint's (Hugging Face) names, on rank 0 in CPU memory (empty on the other ranks;
     a collective): tied weights once, under the first name that uses them, as Hugging Face writes checkpoints.
-    ``trainable_only``: only the parameters that train (a LoRA adapter: only its tensors are gathered).
-    The tensors are a snapshot: no later optimizer step changes them (on one CPU rank the gathered tensors are the
-    live parameters themselves, so those are copied)."""
-    aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)}
-    aliases -= {name for name, _ in causal_lm.named_parameters()}
-    live = {_local(t).untyped_storage().data_ptr() for t in (*causal_lm.parameters(), *causal_lm.buffers())}
-    gathered = get_model_state_dict(causal_lm, options=TRAINABLE if trainable_only else FULL)
-    if trainable_only:  # no buffers either
-        trains = {name for name, parameter in causal_lm.named_parameters() if parameter.requires_grad}
-        gathered = {name: t for name, t in gathered.items() if name in trains}
-    whole = {
-        name: t.clone() if t.untyped_storage().data_ptr() in live else t
-        for name, t in gathered.items()
-        if name not in aliases and isinstance(t, torch.Tensor)
-    }
-    return whole if trainable_only else checkpoint_names(causal_lm, whole)
+    ``trainable_only``: only the parameters that train (a LoRA adapter: only its tensors are gathered, under the
+    names the model holds them by). The tensors are a snapshot: no later optimizer step changes them (on one CPU
+    rank the gathered tensors are the live parameters themselves, so those are copied)."""
+    if not trainable_only:
+        return {name: tensor for layer in gathered_layers(causal_lm) for name, tensor in layer.items()}
+    live = _live_storages(causal_lm)
+    gathered = get_model_state_dict(causal_lm, options=TRAINABLE)
+    trains = {name for name, parameter in causal_lm.named_parameters() if parameter.requires_grad}
+    return {name: _snapshot(t, live) for name, t in gathered.items() if name in trains and isinstance(t, torch.Tensor)}
 
 
-def checkpoint_names(causal_lm: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (the model's state dict as it holds it in memory) under its checkpoint's names and layout, as
-    ``save_pretrained`` writes them: transformers' own inverse of the conversion it applied at load
-    (``revert_weight_conversion``). Transformers 5 holds a mixture of experts' weights fused, one 3-D tensor per layer
-    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); checkpoints, and so vLLM's loader, name one tensor per
-    expert and projection. Dense models come back as they are. Converted one decoder layer at a time (the tensors
-    of one layer and their converted copies at most exist twice), and each converted tensor owns its storage (a
-    view of a fused tensor would share it with its siblings, which ``weights.publish`` would write once)."""
+def gathered_layers(causal_lm: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model in its checkpoint's names (``checkpoint_names``), one decoder layer at a time, in the order
+    of ``checkpoint_layout``: on rank 0 each layer's tensors whole, in CPU memory, and a snapshot; on the other ranks
+    empty dicts. A collective: every rank iterates it to the end, each tensor gathered from its shards in turn, so
+    that no rank ever holds more of the model whole than the layer it yields."""
+    keeps = not dist.is_initialized() or dist.get_rank() == 0
+    live = _live_storages(causal_lm)
+    state = causal_lm.state_dict()
+    for names in _layers(causal_lm).values():
+        layer = {}
+        for name in names:
+            tensor = state[name]
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if keeps:
+                layer[name] = _snapshot(whole.detach().cpu(), live)
+            del whole
+        yield checkpoint_names(causal_lm, layer) if keeps else {}
+
+
+def checkpoint_layout(causal_lm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``gathered_layers`` yields, in its order, as tensors on the meta device (names, shapes and dtypes, no
+    data), computed without a collective: the header of a version written as its layers arrive."""
+    state = causal_lm.state_dict()
+    layout: dict[str, torch.Tensor] = {}
+    for names in _layers(causal_lm).values():
+        layer = {name: torch.empty(state[name].shape, dtype=state[name].dtype, device="meta") for name in names}
+        layout.update(checkpoint_names(causal_lm, layer))
+    return layout
+
+
+def checkpoint_names(causal_lm: Any, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``layer`` (tensors of one decoder layer, or of the parameters outside every layer, under the names the model
+    holds them by in memory) under its checkpoint's names and layout, as ``save_pretrained`` writes them:
+    transformers' own inverse of the conversion it applied at load (``revert_weight_conversion``). Transformers 5
+    holds a mixture of experts' weights fused, one 3-D tensor per layer (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``); checkpoints, and so vLLM's loader, name one tensor per expert and projection. Dense
+    layers come back as they are. An expert's tensors are views of the fused ones (no copy)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    layers: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        layers.setdefault(_layer_of(name), {})[name] = tensor
-    converted: dict[str, torch.Tensor] = {}
-    for layer in layers.values():
-        for name, tensor in revert_weight_conversion(causal_lm, layer).items():
-            converted[name] = tensor.clone() if tensor._base is not None else tensor
-    return converted
+    return dict(revert_weight_conversion(causal_lm, layer))
+
+
+def _layers(causal_lm: torch.nn.Module) -> dict[str, list[str]]:
+    """The names of the state dict's tensors (tied ones once, under their first name), by decoder layer, in the
+    state dict's order."""
+    aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)}
+    aliases -= {name for name, _ in causal_lm.named_parameters()}
+    layers: dict[str, list[str]] = {}
+    for name in causal_lm.state_dict():
+        if name not in aliases:
+            layers.setdefault(_layer_of(name), []).append(name)
+    return layers
+
+
+def _live_storages(causal_lm: torch.nn.Module) -> set[int]:
+    return {_local(t).untyped_storage().data_ptr() for t in (*causal_lm.parameters(), *causal_lm.buffers())}
+
+
+def _snapshot(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
+    """``tensor``, copied if it is (a view of) a live parameter or buffer, whose storages are ``live``."""
+    return tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
 
 
 def memory_names(causal_lm: Any, path: Path) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,8 +75,8 @@ from lockstep_workers.tracking import Runs, open_runs
 from lockstep_workers.transfer import manifest_uri
 from lockstep_workers.weights import (
     Publisher,
+    StreamedPublish,
     newest_version,
-    publish,
     published,
     tensors,
     verified_path,
@@ -166,13 +166,15 @@ class TrainedModel:
     adapter: LoraConfig | None = None
     reference: Policy | None = None
 
-    def gathered(self) -> dict[str, torch.Tensor]:
-        """What a version publishes, gathered from the shards onto rank 0 (a collective; empty on the other ranks):
-        the whole model in its checkpoint's names, or the adapter alone under PEFT's file names (lockstep_workers.lora).
-        """
+    def gathered(self) -> tuple[dict[str, torch.Tensor], Iterator[dict[str, torch.Tensor]]]:
+        """What a version publishes: its layout (the file's tensors in order, on the meta device for full weights)
+        and its layers, gathered from the shards onto rank 0 as they are iterated (a collective every rank iterates
+        to its end; empty on the other ranks): the whole model in its checkpoint's names, a decoder layer at a time
+        (lockstep_workers.sharding), or the adapter alone under PEFT's file names (lockstep_workers.lora), at once."""
         if self.adapter is None:
-            return sharding.full_state_dict(self.causal_lm)
-        return lora.file_names(sharding.full_state_dict(self.causal_lm, trainable_only=True))
+            return sharding.checkpoint_layout(self.causal_lm), sharding.gathered_layers(self.causal_lm)
+        adapter = lora.file_names(sharding.full_state_dict(self.causal_lm, trainable_only=True))
+        return adapter, iter([adapter])
 
     def metadata(self) -> dict[str, str] | None:
         """The header metadata of a version: a LoRA adapter's config, none for full weights."""
@@ -611,14 +613,26 @@ def _steps(
         metrics.update(scoring)
 
         # Publish the weights gathered from the shards (a collective, a snapshot) as version ``step``: rank 0
-        # waits for its previous publish if that is still in flight, then writes, announces the version and records
-        # the step in the background while the next step runs. Checkpoint the shards when due, once this version is
-        # on disk, so that no checkpoint is newer than the newest published version.
+        # waits for its previous publish if that is still in flight, then writes the file in the background as the
+        # layers are gathered (the gather waits for the write only past PUBLISH_BUFFER_BYTES), and announces the
+        # version and records the step in the background while the next step runs. Checkpoint the shards when due,
+        # once this version is on disk, so that no checkpoint is newer than the newest published version.
+        layout, layers = model.gathered()
+        writing = None
+        if publisher is not None:
+            waited += publisher.wait()
+            # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
+            keep = max(3, settings.max_lag + 2)
+            writing = StreamedPublish(layout, env.weights_dir, step, keep, model.metadata())
         gathering = time.monotonic()
-        whole = model.gathered()
+        for layer in layers:
+            if writing is not None:
+                writing.put(layer)
+        if writing is not None:
+            writing.close()
         gathered = time.monotonic() - gathering
         if publisher is not None and producer is not None:
-            waited += publisher.wait()
+            assert writing is not None
             metrics.update(publish_gather_seconds=gathered, publish_wait_seconds=waited)
             now = time.monotonic()
             seconds, interval, handed_over = now - started, now - handed_over, now
@@ -644,8 +658,7 @@ def _steps(
                 env,
                 settings,
                 step,
-                whole,
-                model.metadata(),
+                writing,
                 metrics,
                 seconds,
                 budget,
@@ -655,7 +668,6 @@ def _steps(
             )
             publisher.start(step, work)
             waited = 0.0
-        del whole
         if settings.checkpoint_every_steps and step % settings.checkpoint_every_steps == 0:
             if publisher is not None:
                 waited += publisher.wait()
@@ -676,8 +688,7 @@ def _publish_and_announce(
     env: PodEnvironment,
     settings: Training,
     step: int,
-    whole: dict[str, torch.Tensor],
-    metadata: dict[str, str] | None,
+    writing: StreamedPublish,
     metrics: dict[str, float],
     seconds: float,
     budget: float,
@@ -685,22 +696,20 @@ def _publish_and_announce(
     tracking: Runs | None = None,
     trace: tuple[Tracer, float, dict[str, float]] | None = None,
 ) -> None:
-    """Rank 0, in the background: publish ``whole`` (its header carrying ``metadata``) as version ``step``, announce
-    it and the step's mismatch on the pod, record the step (``seconds``: its time on the trainer's path; also to
+    """Rank 0, in the background: wait for ``writing``, version ``step``'s file, to be written, announce it and the
+    step's mismatch on the pod, record the step (``seconds``: its time on the trainer's path; also to
     the ``tracking`` runs, and with ``trace``, the tracer, when the step started and when its parts did, its trace), log
     it; then run ``then`` (spec.output's write, when due)."""
-    publish_started = time.time()
-    publishing = time.monotonic()
-    # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
-    weights = publish(whole, env.weights_dir, version=step, keep=max(3, settings.max_lag + 2), metadata=metadata)
-    metrics = {**metrics, "publish_seconds": time.monotonic() - publishing}
+    weights = writing.result()
+    assert writing.seconds is not None, "measured once the write ended"
+    metrics = {**metrics, "publish_seconds": writing.seconds}
     if env.pod and env.namespace:
         mismatch, evaluation = step_reports(step, metrics)
         announce(_as_announced(env, weights), env.namespace, env.pod, mismatch, evaluation)
     record(env, step, seconds, metrics, tracking)
     if trace is not None:
         tracer, started, starts = trace
-        starts = {**starts, "publish": publish_started}
+        starts = {**starts, "publish": writing.started}
         tracing.emit(tracer, traces.step_span(step, started, seconds, starts, metrics, env.pod, env.namespace))
     measured = metrics.get(ONPOLICY_MISMATCH)
     if measured is not None and measured > budget:

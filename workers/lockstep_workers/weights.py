@@ -18,10 +18,11 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
 
 import torch
@@ -171,15 +172,32 @@ def publish(
     metadata: Mapping[str, str] | None = None,
 ) -> Weights:
     """Write ``tensors`` as weights version ``version``, with the header's ``metadata`` (a LoRA adapter's config,
-    lockstep_workers.lora); return what to announce (its file, digest and size).
-    The file is hashed as it is written, and on disk (file and directory flushed) under its final name before this
-    returns: a crash leaves either the whole version or none under that name. Older versions go once they are
-    neither among the ``keep`` newest nor younger than RETAIN_SECONDS."""
+    lockstep_workers.lora); return what to announce (its file, digest and size). Larger elements come first, as
+    safetensors orders them, so every tensor is aligned to its element size. As ``publish_layers``."""
+    untied = _untied(tensors)
+    ordered = {name: untied[name] for name in sorted(untied, key=lambda name: (-untied[name].element_size(), name))}
+    return publish_layers(ordered, [ordered], directory, version, keep, metadata)
+
+
+def publish_layers(
+    layout: Mapping[str, torch.Tensor],
+    layers: Iterable[Mapping[str, torch.Tensor]],
+    directory: Path,
+    version: int,
+    keep: int = 3,
+    metadata: Mapping[str, str] | None = None,
+) -> Weights:
+    """Write weights version ``version`` whose tensors are ``layout``'s (names in file order, dtypes and shapes: meta
+    tensors will do), their data arriving as ``layers`` yields them, in the same order (``write_safetensors``), with
+    the header's ``metadata``; return what to announce. The file is hashed as it is written, and on disk (file and
+    directory flushed) under its final name before this returns: a crash leaves either the whole version or none
+    under that name. Older versions go once they are neither among the ``keep`` newest nor younger than
+    RETAIN_SECONDS."""
     directory.mkdir(parents=True, exist_ok=True)
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
     with partial.open("wb") as stream:
-        digest = write_safetensors(_untied(tensors), stream, metadata)
+        digest = write_safetensors(layout, layers, stream, metadata)
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(partial, final)
@@ -191,27 +209,120 @@ def publish(
     return Weights(version=version, uri=final.resolve().as_uri(), digest=digest, bytes=final.stat().st_size)
 
 
+PUBLISH_BUFFER_BYTES = 2 << 30
+"""How many bytes of a version's gathered layers may wait for the publish thread at once (StreamedPublish): a model
+up to this size is gathered whole while its file is written in the background; a larger one streams, the gather
+waiting for the write, so that host memory holds this much and a layer or two, never the whole model."""
+
+
+class StreamedPublish:
+    """Trainer rank 0's publish of one version, written on a thread of its own (``publish_layers``) from the layers
+    its trainer thread hands over (``put``) as it gathers them, at most ``limit`` bytes of them waiting at once
+    (always at least one layer). ``result`` waits for the file and returns what to announce, or raises the write's
+    error. A failed write drops the layers handed over after it, so that the trainer thread, whose gather is a
+    collective of every rank, goes on to its end and learns of the failure from ``result``."""
+
+    def __init__(
+        self,
+        layout: Mapping[str, torch.Tensor],
+        directory: Path,
+        version: int,
+        keep: int,
+        metadata: Mapping[str, str] | None = None,
+        limit: int = PUBLISH_BUFFER_BYTES,
+    ) -> None:
+        self._limit = limit
+        self._layers: deque[tuple[Mapping[str, torch.Tensor], int]] = deque()
+        self._waiting = 0
+        self._closed = self._failed = False
+        self._changed = threading.Condition()
+        self._outcome: Weights | BaseException | None = None
+        self.started = time.time()
+        """When the write began (beside the gather of the first layer), in seconds since the epoch."""
+        self.seconds: float | None = None
+        """How long the write took, from ``started`` (beside the gather) to the file's rename; None until it ended."""
+        self._thread = threading.Thread(
+            target=self._write, args=(layout, directory, version, keep, metadata), name=f"write-v{version}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, layer: Mapping[str, torch.Tensor]) -> None:
+        """Hand over the next layer; block while ``limit`` bytes of earlier ones wait."""
+        size = sum(t.numel() * t.element_size() for t in layer.values())
+        with self._changed:
+            self._changed.wait_for(lambda: self._failed or not self._waiting or self._waiting + size <= self._limit)
+            if not self._failed:
+                self._layers.append((layer, size))
+                self._waiting += size
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Every layer was handed over."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def result(self) -> Weights:
+        """Wait for the write; return what announces the version, or raise why it failed."""
+        self._thread.join()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    def _handed_over(self) -> Iterator[Mapping[str, torch.Tensor]]:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._layers) or self._closed)
+                if not self._layers:
+                    return
+                layer, size = self._layers.popleft()
+            yield layer
+            with self._changed:  # written: its memory may go
+                self._waiting -= size
+                self._changed.notify_all()
+
+    def _write(
+        self, layout: Mapping[str, torch.Tensor], directory: Path, version: int, keep: int, metadata: Any
+    ) -> None:
+        started = time.monotonic()
+        try:
+            self._outcome = publish_layers(layout, self._handed_over(), directory, version, keep, metadata)
+        except BaseException as error:  # handed to the trainer's thread by ``result``
+            self._outcome = error
+            with self._changed:
+                self._failed = True
+                self._layers.clear()
+                self._changed.notify_all()
+        self.seconds = time.monotonic() - started
+
+
 class Writable(Protocol):
     def write(self, data: bytes | memoryview, /) -> int: ...
 
 
 def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], stream: Writable, metadata: Mapping[str, str] | None = None
+    layout: Mapping[str, torch.Tensor],
+    layers: Iterable[Mapping[str, torch.Tensor]],
+    stream: Writable,
+    metadata: Mapping[str, str] | None = None,
 ) -> str:
-    """Write ``tensors`` (contiguous, on the CPU, no two sharing storage) to ``stream`` in the safetensors format
-    (an 8-byte little-endian header length, a JSON header of each tensor's dtype, shape and data offsets, then
-    the raw bytes), hashing the bytes as they go; return their digest. ``metadata`` (strings to strings) is the
-    header's ``__metadata__``, which the digest covers as it covers the whole header. Larger elements come first,
-    as safetensors orders them, so every tensor is aligned to its element size."""
+    """Write ``layout``'s tensors to ``stream`` in the safetensors format (an 8-byte little-endian header length, a
+    JSON header of each tensor's dtype, shape and data offsets in ``layout``'s order, then the raw bytes), hashing
+    the bytes as they go; return their digest. The data comes from ``layers`` (contiguous CPU tensors, no two
+    sharing storage), which must yield exactly ``layout``'s tensors in its order: a layer is written, and may be
+    freed, before the next is asked for. ``metadata`` (strings to strings) is the header's ``__metadata__``, which
+    the digest covers as it covers the whole header. Raises ValueError before writing anything when a tensor would
+    not be aligned to its element size, and when the data does not match the header."""
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("safetensors metadata maps strings to strings")
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata is not None else {}
     offset = 0
-    for name in order:
-        tensor = tensors[name]
+    for name, tensor in layout.items():
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which the safetensors format cannot hold")
+        if offset % tensor.element_size():
+            raise ValueError(f"tensor {name} would start at byte {offset}, not aligned to its {tensor.dtype} elements")
         size = tensor.numel() * tensor.element_size()
         header[name] = {
             "dtype": SAFETENSORS_DTYPES[tensor.dtype],
@@ -225,10 +336,20 @@ def write_safetensors(
     for chunk in (len(encoded).to_bytes(8, "little"), encoded):
         sha.update(chunk)
         stream.write(chunk)
-    for name in order:
-        data = tensors[name].detach().reshape(-1).view(torch.uint8).numpy().data
-        sha.update(data)
-        stream.write(data)
+    expected = iter(layout.items())
+    for layer in layers:
+        for name, tensor in layer.items():
+            want_name, want = next(expected, (None, None))
+            if want is None or name != want_name or tensor.dtype != want.dtype or tensor.shape != want.shape:
+                raise ValueError(
+                    f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} arrived where the header has {want_name}"
+                )
+            data = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+            sha.update(data)
+            stream.write(data)
+    missing = [name for name, _ in expected]
+    if missing:
+        raise ValueError(f"the header's tensors {missing[:3]} (of {len(missing)}) never arrived")
     return f"sha256:{sha.hexdigest()}"
 
 
@@ -330,13 +451,15 @@ def newest_version(directory: Path) -> int | None:
 
 
 def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each storage once, under the first name that uses it (tied embeddings are written as Hugging Face
-    checkpoints write them: the lm_head falls away)."""
-    seen: set[int] = set()
+    """Each tensor once, under the first name that uses it (tied embeddings are written as Hugging Face checkpoints
+    write them: the lm_head falls away); views of one storage at other places or shapes (an expert's slice of a
+    fused tensor) are tensors of their own."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
     result = {}
     for name, tensor in tensors.items():
-        if tensor.untyped_storage().data_ptr() not in seen:
-            seen.add(tensor.untyped_storage().data_ptr())
+        where = (tensor.data_ptr(), tuple(tensor.shape))
+        if where not in seen:
+            seen.add(where)
             result[name] = tensor.detach().contiguous().cpu()
     return result
 

@@ -130,7 +130,7 @@ def _train_an_adapter(rank: int, model: str, out: str, train_lm_head: bool) -> N
         return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
 
     result = {
-        "published": trained.gathered(),
+        "published": trained.gathered()[0],
         "metadata": trained.metadata(),
         "logprobs": logprobs,
         "frozen_before": frozen,

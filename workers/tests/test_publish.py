@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,76 @@ def test_a_publish_writes_its_metadata_into_the_header_that_the_digest_covers(tm
         assert opened.metadata() is None, "no metadata unless given: full weights are written as before"
     with pytest.raises(ValueError, match=r"safetensors metadata maps strings to strings"):
         publish(tensors, tmp_path, version=4, metadata={"r": 4})  # type: ignore[dict-item]
+
+
+def _layers(sizes: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Decoder-layer-like dicts of fp32 tensors, ``sizes`` elements each."""
+    generator = torch.Generator().manual_seed(5)
+    return [{f"model.layers.{n}.w": torch.randn(size, generator=generator)} for n, size in enumerate(sizes)]
+
+
+def test_a_streamed_publish_writes_the_file_its_layers_make_as_they_arrive(tmp_path: Path) -> None:
+    """The trainer's publish of a large model: the layers arrive one at a time after the header was written from
+    their layout (meta tensors), and the file is the one a publish of them all at once would hash and load."""
+    layers = _layers([10, 3, 7])
+    layout = {name: torch.empty(t.shape, device="meta") for layer in layers for name, t in layer.items()}
+    writing = weights.StreamedPublish(layout, tmp_path / "streamed", version=1, keep=3, limit=1)
+    for layer in layers:
+        writing.put(layer)
+    writing.close()
+    announced = writing.result()
+    path = local_path(announced)
+    assert announced.digest == f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
+    assert writing.seconds is not None
+    loaded = load_file(str(path))
+    assert all(torch.equal(loaded[name], t) for layer in layers for name, t in layer.items())
+    assert len(loaded) == 3
+
+
+def test_a_streamed_publish_holds_the_gather_while_its_buffer_is_full_and_never_blocks_it_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At most ``limit`` bytes of gathered layers wait for the writer (and always one layer may): a layer handed
+    over while the buffer is full waits until the writer took the one before. A writer that failed drops what comes
+    after, so the gather, a collective of every rank, is never held; ``result`` raises the failure."""
+    taken = threading.Event()
+    release = threading.Event()
+
+    def slow_writer(layout: object, layers: Iterator[dict[str, torch.Tensor]], *_: object) -> None:
+        for number, _layer in enumerate(layers):
+            taken.set()
+            release.wait(30)
+            if number == 1:
+                raise OSError("disk full")
+
+    monkeypatch.setattr(weights, "publish_layers", slow_writer)
+    first, second, third = _layers([8, 8, 8])  # 32 bytes each
+    writing = weights.StreamedPublish({}, tmp_path, version=1, keep=3, limit=40)
+    writing.put(first)  # nothing waits: it may, whatever its size
+    assert taken.wait(30), "the writer takes the first layer"
+    held = threading.Thread(target=writing.put, args=(second,))
+    held.start()
+    held.join(0.5)
+    assert held.is_alive(), "32 bytes wait (the layer being written), and 32 more would pass the 40-byte limit"
+    release.set()
+    held.join(30)
+    assert not held.is_alive(), "the writer took the first layer's successor"
+    writing.put(third)  # held until the writer fails on the second layer, then dropped
+    writing.close()
+    with pytest.raises(OSError, match="disk full"):
+        writing.result()
+
+
+def test_a_header_and_its_data_must_agree_and_align(tmp_path: Path) -> None:
+    layer = {"a": torch.zeros(3, dtype=torch.float16), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"tensor b would start at byte 6, not aligned to its torch.float32"):
+        weights.publish_layers(layer, [layer], tmp_path, version=1)
+    layout = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"tensor b \(2,\) torch.float32 arrived where the header has a"):
+        weights.publish_layers(layout, [{"b": torch.zeros(2), "a": torch.zeros(2)}], tmp_path, version=2)
+    with pytest.raises(ValueError, match=r"the header's tensors \['b'\] \(of 1\) never arrived"):
+        weights.publish_layers(layout, [{"a": torch.zeros(2)}], tmp_path, version=3)
+    assert newest_version(tmp_path) is None, "no partial version counts"
 
 
 def test_a_version_is_on_disk_before_its_name_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
