@@ -168,8 +168,9 @@ class Actor:
         WEIGHTS_VERSION.set(BASE_VERSION)
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        """Sample a completion; each token carries the weights version it was sampled under. Raises BadRequest
-        when vLLM refuses ``sampling``."""
+        """Sample a completion; each token carries the weights version it was sampled under, and the request the
+        experts vLLM routed its tokens to (``routed_experts``; None unless the engine returns them). Raises
+        BadRequest when vLLM refuses ``sampling``."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
