@@ -227,3 +227,15 @@ def test_an_allowing_policy_refuses_no_replaying_job() -> None:
 
 def test_the_parity_admission_policy_carries_the_routing_replay_checks() -> None:
     assert admission.policy()["spec"]["validations"][-2:] == admission.routing_replay_validations()
+
+
+def test_warn_runs_a_pipeline_parallel_job_a_policy_requires_to_replay_without_replay_and_says_so() -> None:
+    plan = plan_for(job(actors={"image": "a", "group": PIPELINED}), policies=[required(enforcement="Warn")])
+    assert condition(plan, PARITY_LOCKED) == ("True", "RoutingReplayNotAsPolicyRequires")
+    found = find(plan.status.conditions, PARITY_LOCKED)
+    assert found is not None and found.message == (
+        "ParityPolicy 'default' (Warn) records that spec.actors.group.pipelineParallelSize is above 1, with which vLLM "
+        "cannot return the routed experts (the policy's spec.routingReplay is Required); the actors run without "
+        "routing replay; to comply, create the RLJob again with spec.actors.group.pipelineParallelSize 1 "
+        "(spec.actors.group is immutable)"
+    )

@@ -137,6 +137,6 @@ def routing_replay_report(config: EffectiveConfig) -> str | None:
     if config.routing_replay:
         does, fix = "the actors replay their routing all the same", "set spec.actors.routingReplay to false"
     else:
-        does = "the actors run without routing replay, which vLLM cannot do with pipeline parallelism"
+        does = "the actors run without routing replay"
         fix = "create the RLJob again with spec.actors.group.pipelineParallelSize 1 (spec.actors.group is immutable)"
     return f"records that {config.routing_replay_conflict.describe()}; {does}; to comply, {fix}"
