@@ -1,11 +1,10 @@
 """The actor and a mixture of experts: the routed experts it returns with each sample, and its refusal to start
-where this vLLM build cannot return them (the CPU build), checked against vLLM's own verdict."""
+where this vLLM build cannot return them (the CPU build), checked against vLLM's own verdict; the preflight's
+refusal of a LoRA job on a mixture of experts there."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,13 +56,17 @@ def test_this_vllm_cannot_return_routed_experts_exactly_when_it_has_no_triton(tm
         replaying.create_engine_config()
 
 
-@pytest.mark.skipif(vllm_has_triton(), reason="vLLM with Triton returns routed experts: the actor starts")
-def test_the_actor_of_a_replaying_job_on_a_mixture_of_experts_refuses_to_start_on_this_build(tmp_path: Path) -> None:
-    # OLMoE's: an architecture the verified matrix does not refuse (lockstep_workers.architectures.REFUSED), so that
-    # this is the refusal the actor gives (it reads no more of the model before it).
-    model = tmp_path / "olmoe"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["OlmoeForCausalLM"], "num_experts": 64}))
+def olmoe(directory: Path) -> Path:
+    """An OLMoE config.json: a mixture of experts of an architecture the verified matrix does not refuse
+    (lockstep_workers.architectures.REFUSED), so that the refusals here are the MoE ones (nothing more of the model
+    is read before them)."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"architectures": ["OlmoeForCausalLM"], "num_experts": 64}))
+    return directory
+
+
+def pod_config(directory: Path, model: Path, **job: object) -> Path:
+    """A job's PodConfig file, with ``job``'s fields (routingReplay, training)."""
     config = PodConfig.model_validate(
         {
             "fingerprint": "sha256:test",
@@ -74,22 +77,45 @@ def test_the_actor_of_a_replaying_job_on_a_mixture_of_experts_refuses_to_start_o
             "weightUpdate": {"clearCache": True},
             "mismatchBudget": {},
             "training": {"reward": "lockstep_workers.rewards:target_words"},
-            "routingReplay": True,
+            **job,
         }
     )
-    (tmp_path / "config.json").write_text(config.text())
-    started = subprocess.run(
-        [sys.executable, "-m", "lockstep_workers.actor", f"--model={model}", "--enable-prefix-caching"],
-        env={**os.environ, environment.CONFIG: str(tmp_path / "config.json")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert started.returncode == 1, started.stderr
-    assert started.stderr.strip().endswith(
+    path = directory / "pod-config.json"
+    path.write_text(config.text())
+    return path
+
+
+@pytest.mark.skipif(vllm_has_triton(), reason="vLLM with Triton returns routed experts: the actor starts")
+def test_the_actor_of_a_replaying_job_on_a_mixture_of_experts_refuses_to_start_on_this_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lockstep_workers.actor import command_line
+
+    model = olmoe(tmp_path / "olmoe")
+    monkeypatch.setenv(environment.CONFIG, str(pod_config(tmp_path, model, routingReplay=True)))
+    monkeypatch.setattr(sys, "argv", ["actor", f"--model={model}", "--enable-prefix-caching"])
+    with pytest.raises(SystemExit) as refused:
+        command_line()
+    assert str(refused.value) == (
         "the actor does not start: routing replay (spec.actors.routingReplay, or the ParityPolicy's "
         f"spec.routingReplay Required): the model {model} is a mixture of experts, and this vLLM build (the CPU build) "
         "cannot return the experts each token was routed to (vLLM returns them only from its Model Runner V2, which "
         "needs Triton). Set spec.actors.routingReplay to false (under a ParityPolicy that does not require it), or "
         "run the actors' CUDA image"
+    )
+
+
+@pytest.mark.skipif(vllm_has_triton(), reason="vLLM with Triton has its MoE LoRA kernels: the preflight starts")
+def test_the_preflight_of_a_lora_job_on_a_mixture_of_experts_refuses_to_start_on_this_build(tmp_path: Path) -> None:
+    from lockstep_workers.parity_check import Workload, preflight
+
+    model = olmoe(tmp_path / "olmoe")
+    lora_job = {"reward": "lockstep_workers.rewards:target_words", "lora": {"rank": 8}}
+    config = pod_config(tmp_path, model, training=lora_job)
+    with pytest.raises(SystemExit) as refused:
+        preflight(model, Workload(), {environment.CONFIG: str(config)})
+    assert str(refused.value) == (
+        f"the preflight does not start: the model {model} is a mixture of experts, and vLLM's LoRA kernels for "
+        "experts need Triton, which this vLLM build (the CPU build) lacks: a LoRA job (spec.trainer.lora) cannot run "
+        "on it here. Run the actors' CUDA image, or remove spec.trainer.lora to train every weight"
     )
