@@ -77,8 +77,9 @@ def parity_admission(kube: client.ApiClient) -> None:
 
 @pytest.fixture
 def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyFactory]:
-    """``policies(enforcement, default=, match_labels=, vllm=, name=, lora=)`` creates a ParityPolicy (uniquely named
-    unless ``name`` is given) and returns its name; the test's policies are deleted afterwards.
+    """``policies(enforcement, default=, match_labels=, vllm=, name=, lora=, routing_replay=)`` creates a
+    ParityPolicy (uniquely named unless ``name`` is given) and returns its name; the test's policies are deleted
+    afterwards.
 
     Only one policy may be the default: ``default=True`` first unsets it on the others (the session's default
     ParityPolicy, when another test installed it), and sets it again once the test's policies are gone.
@@ -95,6 +96,7 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
         vllm: dict[str, Any] | None = None,
         name: str | None = None,
         lora: str | None = None,
+        routing_replay: str | None = None,
     ) -> str:
         name = name or f"e2e-{enforcement.lower()}-{uuid.uuid4().hex[:8]}"
         if default:
@@ -111,6 +113,8 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
             spec["namespaceSelector"] = {"matchLabels": match_labels}
         if lora is not None:
             spec["lora"] = lora
+        if routing_replay is not None:
+            spec["routingReplay"] = routing_replay
         body = {"apiVersion": api.API_VERSION, "kind": "ParityPolicy", "metadata": {"name": name}, "spec": spec}
         custom.create_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", body)
         created.append(name)
@@ -471,3 +475,17 @@ def test_warn_and_audit_policies_admit_a_job_that_breaks_their_lora_requirement(
     sentinel(kube, namespace, policies)
     assert refusal(kube, namespace, lora_rljob(ADAPTER, forbids)) is None
     assert refusal(kube, namespace, lora_rljob(None, requires)) is None
+
+
+def test_a_policy_that_forbids_routing_replay_refuses_a_replaying_job(
+    kube: client.ApiClient, namespace: str, policies: PolicyFactory
+) -> None:
+    policy = policies(routing_replay="Forbidden")
+    replaying = rljob({}, policy)
+    replaying["spec"]["actors"]["routingReplay"] = True
+    assert refused_eventually(kube, namespace, replaying) == denied(
+        f"spec.actors.routingReplay: ParityPolicy '{policy}' (Enforce) forbids routing replay (its spec.routingReplay "
+        "is Forbidden); set spec.actors.routingReplay to false, or name a ParityPolicy whose spec.routingReplay is "
+        "Allowed"
+    )
+    assert refusal(kube, namespace, rljob({}, policy)) is None

@@ -17,6 +17,9 @@ Then every key the policy locks in ``spec.vllm`` that the job also sets in ``spe
 
 A policy whose ``spec.lora`` is ``Forbidden`` refuses a job that sets ``spec.trainer.lora``, and one whose
 ``spec.lora`` is ``Required`` a job that does not (``lora_validations``, in ``parity.lora_refusal``'s words).
+Likewise a policy whose ``spec.routingReplay`` is ``Forbidden`` refuses a job that sets
+``spec.actors.routingReplay``, and one whose ``spec.routingReplay`` is ``Required`` a job whose actors cannot replay
+(pipeline parallel: ``routing_replay_validations``, in ``parity.routing_replay_refusal``'s words).
 
 Whatever its enforcement, a policy a job names in ``spec.parityPolicy`` must select the job's namespace, or the
 request is refused (reason ``Forbidden``): an administrator scopes which namespaces may use a policy with its
@@ -28,11 +31,12 @@ and ``spec.enforcement`` are always present once the API server has decoded an o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lockstep import api, keys
-from lockstep.parity import lora_refusal
+from lockstep.parity import lora_refusal, routing_replay_refusal
 from lockstep.schema import structural_schema
 
 NAME = "lockstep-parity-enforce"
@@ -124,24 +128,48 @@ def _cel_literal(text: str) -> str:
     return f'"{text}"'
 
 
+def _requirement_check(
+    field: str, requirement: api.Requirement, complies: str, refusal: Callable[[api.Requirement, str], str]
+) -> dict[str, str]:
+    """The check that a job meets the applying policy's ``spec.<field>`` when it is ``requirement`` (the job
+    ``complies`` in CEL), refused in ``refusal``'s words."""
+    before, after = refusal(requirement, _NAME_MARK).split(_NAME_MARK)
+    return {
+        "expression": f"!variables.enforced || params.spec.{field} != '{requirement.value}' || {complies}",
+        "messageExpression": f"{_cel_literal(before)} + params.metadata.name + {_cel_literal(after)}",
+        "message": refusal(requirement, "").replace("ParityPolicy '' ", "the ParityPolicy "),
+        "reason": "Invalid",
+    }
+
+
 def lora_validations() -> list[dict[str, str]]:
     """The checks of ``spec.trainer.lora`` against the applying policy's ``spec.lora``: a Forbidden policy refuses a
     job that sets it, a Required one a job that does not (``parity.lora_conflict`` agrees)."""
-    checks = []
-    for requirement, complies in (
-        (api.LoraRequirement.FORBIDDEN, "!has(object.spec.trainer.lora)"),
-        (api.LoraRequirement.REQUIRED, "has(object.spec.trainer.lora)"),
-    ):
-        before, after = lora_refusal(requirement, _NAME_MARK).split(_NAME_MARK)
-        checks.append(
-            {
-                "expression": f"!variables.enforced || params.spec.lora != '{requirement.value}' || {complies}",
-                "messageExpression": f"{_cel_literal(before)} + params.metadata.name + {_cel_literal(after)}",
-                "message": lora_refusal(requirement, "").replace("ParityPolicy '' ", "the ParityPolicy "),
-                "reason": "Invalid",
-            }
-        )
-    return checks
+    return [
+        _requirement_check("lora", api.Requirement.FORBIDDEN, "!has(object.spec.trainer.lora)", lora_refusal),
+        _requirement_check("lora", api.Requirement.REQUIRED, "has(object.spec.trainer.lora)", lora_refusal),
+    ]
+
+
+def routing_replay_validations() -> list[dict[str, str]]:
+    """The checks of ``spec.actors.routingReplay`` against the applying policy's ``spec.routingReplay``: a Forbidden
+    policy refuses a job that asks for it, a Required one a job whose actors cannot replay, being pipeline parallel
+    (``parity.routing_replay_conflict`` agrees)."""
+    group = "object.spec.actors.group"
+    return [
+        _requirement_check(
+            "routingReplay",
+            api.Requirement.FORBIDDEN,
+            "!object.spec.actors.routingReplay",
+            routing_replay_refusal,
+        ),
+        _requirement_check(
+            "routingReplay",
+            api.Requirement.REQUIRED,
+            f"!has({group}) || {group}.pipelineParallelSize == 1",
+            routing_replay_refusal,
+        ),
+    ]
 
 
 def _with_policies(name: str, resource: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +208,10 @@ def policy() -> dict[str, Any]:
                 {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}
             ],
             "variables": [{"name": name, "expression": expression} for name, expression in _VARIABLES],
-            "validations": [applicable()] + [validation(key) for key in vllm_keys()] + lora_validations(),
+            "validations": [applicable()]
+            + [validation(key) for key in vllm_keys()]
+            + lora_validations()
+            + routing_replay_validations(),
         },
     )
 

@@ -247,8 +247,9 @@ class WeightUpdateSemantics(Model):
     clear_cache: bool = Field(False, description="Whether the KV (prefix) cache is dropped on a weight update.")
 
 
-class LoraRequirement(StrEnum):
-    """Whether the jobs a ParityPolicy governs may, must or must not train a LoRA adapter (spec.trainer.lora)."""
+class Requirement(StrEnum):
+    """Whether the jobs a ParityPolicy governs may, must or must not use a feature: a LoRA adapter
+    (spec.trainer.lora), routing replay (spec.actors.routingReplay)."""
 
     ALLOWED = "Allowed"
     REQUIRED = "Required"
@@ -269,10 +270,24 @@ PREFIX_CACHE_RULE = cel(
 )
 
 
+REPLAY_PREFIX_CACHE_RULE = cel(
+    "self.routingReplay != 'Required' || (has(self.vllm.enablePrefixCaching) && self.vllm.enablePrefixCaching && "
+    "self.weightUpdate.clearCache)",
+    "incoherent policy: routingReplay Required turns prefix caching on in every job it governs (vLLM returns the "
+    "routed experts only with prefix caching), and a weight update must then clear the cache, or requests reuse KV "
+    "computed under the old weights. Set vllm.enablePrefixCaching: true and weightUpdate.clearCache: true, or "
+    "routingReplay: Allowed",
+    field_path=".routingReplay",
+    reason="FieldValueInvalid",
+)
+"""A Required policy states what its jobs run with: the effective configuration of a replaying job has prefix
+caching on and clearCache true (lockstep.parity.effective_config)."""
+
+
 class ParityPolicySpec(Model):
     """The vLLM settings a cluster admin locks for the RLJobs of the selected namespaces, and how strictly."""
 
-    model_config = ConfigDict(json_schema_extra=validations(PREFIX_CACHE_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(PREFIX_CACHE_RULE, REPLAY_PREFIX_CACHE_RULE))
 
     default: bool = Field(False, description="Used by RLJobs that name no policy. Exactly one policy should set it.")
     enforcement: Enforcement = Field(
@@ -291,12 +306,23 @@ class ParityPolicySpec(Model):
         default_factory=WeightUpdateSemantics,
         description="How an actor takes new weights mid-generation (vLLM's pause_generation arguments).",
     )
-    lora: LoraRequirement = Field(
-        LoraRequirement.ALLOWED,
+    lora: Requirement = Field(
+        Requirement.ALLOWED,
         description="Whether the jobs may train a LoRA adapter (spec.trainer.lora) instead of every weight. Allowed: "
         "either. Required: only LoRA jobs. Forbidden: only full fine-tuning. Under Enforce the API server and the "
         "operator refuse a job that breaks it; under Warn and Audit it runs as written, and its ParityLocked "
         "condition and a Warning event say that it breaks the policy (a job's adapter is never added or dropped).",
+    )
+    routing_replay: Requirement = Field(
+        Requirement.ALLOWED,
+        description="Whether the jobs' actors return the experts each token was routed to (vLLM's "
+        "enable_return_routed_experts), for the trainer to replay in its routers (spec.actors.routingReplay; "
+        "docs/parity.md#routing-replay-moe). Replay needs vLLM's prefix caching, so a replaying job runs with "
+        "vllm.enablePrefixCaching true and weightUpdate.clearCache true whatever this policy locks. Allowed: each job "
+        "chooses. Required: every job replays (this policy must then set vllm.enablePrefixCaching: true and "
+        "weightUpdate.clearCache: true), and under Enforce a job that cannot (pipeline parallelism) is refused. "
+        "Forbidden: under Enforce the API server and the operator refuse a job that asks for it; under Warn and Audit "
+        "it runs as written, and its ParityLocked condition and a Warning event say so.",
     )
 
 
@@ -551,8 +577,30 @@ GROUP_TENSOR_PARALLEL_RULE = cel(
 )
 
 
+REPLAY_PREFIX_CACHING_RULE = cel(
+    "!self.routingReplay || !has(self.vllm.enablePrefixCaching)",
+    "spec.actors.routingReplay turns vLLM's prefix caching on itself (vLLM returns the routed experts only with "
+    "it, and each weight update then clears the cache): remove spec.actors.vllm.enablePrefixCaching, or set "
+    "routingReplay to false",
+    field_path=".vllm.enablePrefixCaching",
+    reason="FieldValueInvalid",
+)
+REPLAY_PIPELINE_RULE = cel(
+    "!self.routingReplay || !has(self.group) || self.group.pipelineParallelSize == 1",
+    "spec.actors.routingReplay: vLLM cannot return the routed experts with pipeline parallelism: set "
+    "spec.actors.group.pipelineParallelSize to 1 (shard with tensorParallelSize or expertParallel instead), or set "
+    "routingReplay to false",
+    field_path=".routingReplay",
+    reason="FieldValueInvalid",
+)
+
+
 class ActorSpec(PodOverrides):
-    model_config = ConfigDict(json_schema_extra=validations(GROUP_IMMUTABLE_RULE, GROUP_TENSOR_PARALLEL_RULE))
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            GROUP_IMMUTABLE_RULE, GROUP_TENSOR_PARALLEL_RULE, REPLAY_PREFIX_CACHING_RULE, REPLAY_PIPELINE_RULE
+        )
+    )
 
     replicas: Annotated[int, Field(ge=1, le=4096)] = Field(
         1,
@@ -569,6 +617,15 @@ class ActorSpec(PodOverrides):
         "ghcr.io/lockstep-dev/lockstep-actor (GPUs) or lockstep-worker-cpu (images/ in the repository)."
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM arguments for the rollout servers.")
+    routing_replay: bool = Field(
+        False,
+        description="Routing replay (R3) for a mixture-of-experts model: the actors return the experts each token "
+        "was routed to, with each sample, for the trainer to replay in its routers "
+        "(docs/parity.md#routing-replay-moe). "
+        "It turns vLLM's prefix caching on and makes each weight update clear the cache; not with pipeline "
+        "parallelism; moot on a dense model. Needs vLLM's CUDA build (the CPU build cannot return routed experts: "
+        "its actors refuse to start). The ParityPolicy may require or forbid it (its spec.routingReplay).",
+    )
 
 
 class Algorithm(StrEnum):

@@ -16,10 +16,10 @@ from lockstep.api import (
     DType,
     Enforcement,
     LogprobsMode,
-    LoraRequirement,
     MismatchBudget,
     ParityPolicy,
     ParityPolicySpec,
+    Requirement,
     RLJobSpec,
     TrainerParity,
     VllmSettings,
@@ -105,11 +105,11 @@ class Conflict:
 class LoraConflict:
     """The job trains a LoRA adapter where its policy forbids one, or none where its policy requires one."""
 
-    requirement: LoraRequirement
+    requirement: Requirement
     """Required or Forbidden: what the policy's spec.lora says."""
 
     def describe(self) -> str:
-        if self.requirement is LoraRequirement.FORBIDDEN:
+        if self.requirement is Requirement.FORBIDDEN:
             return "spec.trainer.lora is set (the policy's spec.lora is Forbidden: full fine-tuning only)"
         return "spec.trainer.lora is not set (the policy's spec.lora is Required: LoRA jobs only)"
 
@@ -118,10 +118,10 @@ class LoraConflict:
         return lora_refusal(self.requirement, policy)
 
 
-def lora_refusal(requirement: LoraRequirement, policy: str) -> str:
+def lora_refusal(requirement: Requirement, policy: str) -> str:
     """Why an Enforce ParityPolicy named ``policy`` refuses a job over spec.trainer.lora, and the fix (the words of
     both the operator and the API server: admission.lora_validations renders them in CEL from this function)."""
-    if requirement is LoraRequirement.FORBIDDEN:
+    if requirement is Requirement.FORBIDDEN:
         return (
             f"spec.trainer.lora: ParityPolicy '{policy}' (Enforce) forbids LoRA adapters (its spec.lora is Forbidden); "
             "remove spec.trainer.lora to train every weight, or name a ParityPolicy whose spec.lora is Allowed"
@@ -133,13 +133,79 @@ def lora_refusal(requirement: LoraRequirement, policy: str) -> str:
     )
 
 
-def lora_conflict(spec: RLJobSpec, requirement: LoraRequirement) -> LoraConflict | None:
+def lora_conflict(spec: RLJobSpec, requirement: Requirement) -> LoraConflict | None:
     """Whether the job's spec.trainer.lora breaks the policy's spec.lora."""
-    if requirement is LoraRequirement.FORBIDDEN and spec.trainer.lora is not None:
+    if requirement is Requirement.FORBIDDEN and spec.trainer.lora is not None:
         return LoraConflict(requirement)
-    if requirement is LoraRequirement.REQUIRED and spec.trainer.lora is None:
+    if requirement is Requirement.REQUIRED and spec.trainer.lora is None:
         return LoraConflict(requirement)
     return None
+
+
+@dataclass(frozen=True)
+class RoutingReplayConflict:
+    """The job asks for routing replay where its policy forbids it, or cannot replay (pipeline parallelism) where
+    its policy requires it."""
+
+    requirement: Requirement
+    """Required or Forbidden: what the policy's spec.routingReplay says."""
+
+    def describe(self) -> str:
+        if self.requirement is Requirement.FORBIDDEN:
+            return "spec.actors.routingReplay is true (the policy's spec.routingReplay is Forbidden)"
+        return (
+            "spec.actors.group.pipelineParallelSize is above 1, with which vLLM cannot return the routed experts (the "
+            "policy's spec.routingReplay is Required)"
+        )
+
+    def refusal(self, policy: str) -> str:
+        """The API server's words when an Enforce policy refuses it (the CEL in crds/admission-parity.yaml)."""
+        return routing_replay_refusal(self.requirement, policy)
+
+
+def routing_replay_refusal(requirement: Requirement, policy: str) -> str:
+    """Why an Enforce ParityPolicy named ``policy`` refuses a job over routing replay, and the fix (the words of both
+    the operator and the API server: admission.routing_replay_validations renders them in CEL from this function)."""
+    if requirement is Requirement.FORBIDDEN:
+        return (
+            f"spec.actors.routingReplay: ParityPolicy '{policy}' (Enforce) forbids routing replay (its "
+            "spec.routingReplay is Forbidden); set spec.actors.routingReplay to false, or name a ParityPolicy whose "
+            "spec.routingReplay is Allowed"
+        )
+    return (
+        f"spec.actors.group.pipelineParallelSize: ParityPolicy '{policy}' (Enforce) requires routing replay (its "
+        "spec.routingReplay is Required), which vLLM cannot do with pipeline parallelism; set "
+        "spec.actors.group.pipelineParallelSize to 1, or name a ParityPolicy whose spec.routingReplay is Allowed"
+    )
+
+
+def routing_replay_conflict(spec: RLJobSpec, requirement: Requirement) -> RoutingReplayConflict | None:
+    """Whether the job breaks the policy's spec.routingReplay."""
+    if requirement is Requirement.FORBIDDEN and spec.actors.routing_replay:
+        return RoutingReplayConflict(requirement)
+    if requirement is Requirement.REQUIRED and not can_replay(spec):
+        return RoutingReplayConflict(requirement)
+    return None
+
+
+def can_replay(spec: RLJobSpec) -> bool:
+    """Whether vLLM can return the routed experts for the job's actors: not with pipeline parallelism."""
+    return spec.actors.group is None or spec.actors.group.pipeline_parallel_size == 1
+
+
+def replays(spec: RLJobSpec, requirement: Requirement) -> bool:
+    """Whether the job's actors return the routed experts: the job asks for it, or its policy requires it and the
+    job can (a Forbidden policy never turns a job's replay off: it refuses the job under Enforce, and reports it
+    otherwise)."""
+    return spec.actors.routing_replay or (requirement is Requirement.REQUIRED and can_replay(spec))
+
+
+REPLAY_VLLM = {"enablePrefixCaching": True}
+"""What routing replay needs of vLLM's settings, over whatever the policy locks: vLLM returns the routed experts only
+with prefix caching."""
+REPLAY_WEIGHT_UPDATE = {"clearCache": True}
+"""What routing replay needs of a weight update, over the policy's: with prefix caching on, an update must clear the
+cache, or requests reuse KV computed under the old weights (api.PREFIX_CACHE_RULE)."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +225,11 @@ class EffectiveConfig:
     """spec.trainer.lora, by its API names; None for a job that trains every weight."""
     lora_conflict: LoraConflict | None = None
     """How the job breaks its policy's spec.lora, if it does (a policy can neither add nor drop an adapter)."""
+    routing_replay: bool = False
+    """Whether the actors return the routed experts (``replays``); then ``vllm`` has prefix caching on and
+    ``weight_update`` clears the cache."""
+    routing_replay_conflict: RoutingReplayConflict | None = None
+    """How the job breaks its policy's spec.routingReplay, if it does."""
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -172,9 +243,10 @@ class EffectiveConfig:
         return VllmSettings.model_validate(self.vllm)
 
     def document(self) -> dict[str, Any]:
-        """The part that determines parity (written to the job's ConfigMap). ``lora`` only for a LoRA job, so that
-        the fingerprint of a job that trains every weight is what it was before LoRA existed."""
-        document = {
+        """The part that determines parity (written to the job's ConfigMap). ``lora`` only for a LoRA job and
+        ``routingReplay`` only for a replaying one, so that the fingerprint of a job with neither is what it was
+        before they existed."""
+        document: dict[str, Any] = {
             "model": self.model,
             "vllm": self.vllm,
             "trainer": self.trainer,
@@ -182,21 +254,27 @@ class EffectiveConfig:
         }
         if self.lora is not None:
             document["lora"] = self.lora
+        if self.routing_replay:
+            document["routingReplay"] = True
         return document
 
     @property
+    def requirement_conflicts(self) -> list[LoraConflict | RoutingReplayConflict]:
+        """How the job breaks its policy's spec.lora and spec.routingReplay, in that order."""
+        return [c for c in (self.lora_conflict, self.routing_replay_conflict) if c is not None]
+
+    @property
     def refused(self) -> bool:
-        return bool(self.conflicts or self.lora_conflict) and self.enforcement is Enforcement.ENFORCE
+        return bool(self.conflicts or self.requirement_conflicts) and self.enforcement is Enforcement.ENFORCE
 
     def refusals(self) -> list[str]:
         """The API server's words for each conflict, were the policy Enforce (the vLLM keys first, as it checks)."""
         words = [conflict.refusal(self.policy) for conflict in self.conflicts]
-        return words + ([self.lora_conflict.refusal(self.policy)] if self.lora_conflict else [])
+        return words + [conflict.refusal(self.policy) for conflict in self.requirement_conflicts]
 
     def differences(self) -> list[str]:
         """Each conflict, described (the vLLM keys first)."""
-        described = [conflict.describe() for conflict in self.conflicts]
-        return described + ([self.lora_conflict.describe()] if self.lora_conflict else [])
+        return [conflict.describe() for conflict in [*self.conflicts, *self.requirement_conflicts]]
 
 
 def _cel_show(value: Any) -> str:
@@ -258,7 +336,8 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
     """Merge the job's vLLM settings with the policy's locked ones.
 
     Under Enforce and Warn the locked value wins; under Audit the job's value is kept. Either way every
-    differing key is reported as a conflict, so the caller can refuse, warn or record.
+    differing key is reported as a conflict, so the caller can refuse, warn or record. A job that replays its
+    routing (``replays``) gets prefix caching and a weight update that clears the cache, whatever the policy locks.
     """
     requested = settings_dict(spec.actors.vllm)
     locked = settings_dict(policy.spec.vllm)
@@ -268,15 +347,22 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
         if key in requested and requested[key] != value
     ]
     vllm = {**locked, **requested} if policy.spec.enforcement is Enforcement.AUDIT else {**requested, **locked}
+    weight_update = policy.spec.weight_update.model_dump(mode="json", by_alias=True)
+    replay = replays(spec, policy.spec.routing_replay)
+    if replay:  # what replay needs wins over the policy's locks: the one place they are overridden
+        vllm |= REPLAY_VLLM
+        weight_update |= REPLAY_WEIGHT_UPDATE
     return EffectiveConfig(
         policy=policy.metadata.get("name", ""),
         enforcement=policy.spec.enforcement,
         vllm=dict(sorted(vllm.items())),
         trainer=policy.spec.trainer.model_dump(mode="json", by_alias=True, exclude={"mismatch_budget"}),
         mismatch_budget=policy.spec.trainer.mismatch_budget,
-        weight_update=policy.spec.weight_update.model_dump(mode="json", by_alias=True),
+        weight_update=weight_update,
         model=spec.model.model_dump(mode="json", by_alias=True),
         conflicts=conflicts,
         lora=None if spec.trainer.lora is None else spec.trainer.lora.model_dump(mode="json", by_alias=True),
         lora_conflict=lora_conflict(spec, policy.spec.lora),
+        routing_replay=replay,
+        routing_replay_conflict=routing_replay_conflict(spec, policy.spec.routing_replay),
     )

@@ -34,8 +34,8 @@ from lockstep.schema import Model
 class PodConfig(Model):
     """The job's effective configuration: the JSON file at ``$LOCKSTEP_CONFIG`` in each of its pods (key
     ``effective-config.json`` of its ConfigMap). The pods' ``lockstep.dev/config-fingerprint`` covers ``model``,
-    ``vllm``, ``trainer``, ``weightUpdate`` and, in a LoRA job, ``training.lora`` (lockstep.parity.EffectiveConfig
-    .document)."""
+    ``vllm``, ``trainer``, ``weightUpdate``, in a LoRA job ``training.lora`` and in a replaying job ``routingReplay``
+    (lockstep.parity.EffectiveConfig.document)."""
 
     fingerprint: str = Field(description="sha256 of the parity part of this configuration, as each pod carries it")
     policy: str = Field(description="the ParityPolicy this configuration comes from")
@@ -45,7 +45,14 @@ class PodConfig(Model):
         "as flags, actor_args; the preflight reads them here)"
     )
     trainer: TrainerNumerics = Field(description="what the trainer computes like the actors (the policy's)")
-    weight_update: WeightUpdateSemantics = Field(description="how an actor takes new weights (the policy's)")
+    weight_update: WeightUpdateSemantics = Field(
+        description="how an actor takes new weights (the policy's; with routing replay, clearing the cache)"
+    )
+    routing_replay: bool = Field(
+        False,
+        description="whether the actors return the experts each token was routed to (spec.actors.routingReplay, or "
+        "the policy's Required), with each sample, for the trainer to replay; vllm then has prefix caching on",
+    )
     mismatch_budget: MismatchBudget = Field(
         description="the policy's budget; not part of the fingerprint: changing it changes no pod"
     )

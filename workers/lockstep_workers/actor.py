@@ -8,7 +8,8 @@ The vLLM settings are mapped onto the installed vLLM first (lockstep_workers.vll
 honour stops the actor (exit 1, naming the setting and why) before vLLM starts.
 
 HTTP: ``POST /generate`` ({"prompt_token_ids": [...], "sampling": {...}} → token ids, their
-processed logprobs and the weights version each token was sampled under), ``GET /ready`` (200 once
+processed logprobs, the weights version each token was sampled under and, with routing replay on a mixture of
+experts, the experts vLLM routed each token to: ``routed_experts``, else null), ``GET /ready`` (200 once
 the newest weights are loaded; the body has the version served, the history of weight updates
 with their times, the engine arguments applied and the settings satisfied by construction),
 ``GET /metrics`` (Prometheus; ``lockstep_actor_busy_seconds_total``, the seconds with a request in progress, gives
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -47,7 +49,12 @@ from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdat
 from lockstep.podconfig import ActorArgs, PodConfig, load_pod_config, parse_actor_args
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id, base_adapter
-from lockstep_workers.architectures import UnsupportedArchitecture, check_architecture
+from lockstep_workers.architectures import (
+    UnsupportedArchitecture,
+    check_architecture,
+    moe_engine_args,
+    vllm_has_triton,
+)
 from lockstep_workers.group import node_of, placement
 from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
@@ -161,8 +168,9 @@ class Actor:
         WEIGHTS_VERSION.set(BASE_VERSION)
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        """Sample a completion; each token carries the weights version it was sampled under. Raises BadRequest
-        when vLLM refuses ``sampling``."""
+        """Sample a completion; each token carries the weights version it was sampled under, and the request the
+        experts vLLM routed its tokens to (``routed_experts``; None unless the engine returns them). Raises
+        BadRequest when vLLM refuses ``sampling``."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
@@ -175,6 +183,7 @@ class Actor:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        routed: list[Any] | None = None
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         try:
             async with self.request_adapter() as (adapter, lora_request):
@@ -186,10 +195,12 @@ class Actor:
                         tokens.append(token)
                         logprobs.append(candidates[token].logprob)
                         versions.append(self.serving if adapter is None else adapter)
+                    if (experts := routed_experts(completion)) is not None:
+                        routed = experts
         except VLLMClientError as error:  # vLLM's own verdict: the request, not the engine, is at fault
             raise BadRequest(f"prompt_token_ids or sampling: {error}") from None
         TOKENS.inc(len(tokens))
-        return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions}
+        return {"token_ids": tokens, "logprobs": logprobs, "weights_versions": versions, "routed_experts": routed}
 
     @contextlib.asynccontextmanager
     async def request_adapter(self) -> AsyncIterator[tuple[int | None, Any]]:
@@ -314,6 +325,14 @@ class Actor:
             logger.info("unloaded the adapter of weights version %d: no request uses it", version)
 
 
+def routed_experts(completion: Any) -> list[Any] | None:
+    """The experts vLLM routed each token of a request to, as nested lists [tokens, layers, top_k] (its
+    CompletionOutput.routed_experts, which comes with the request's last output when the engine runs with
+    enable_return_routed_experts: the prompt's tokens and the completion's); None when this output has none."""
+    experts = getattr(completion, "routed_experts", None)
+    return None if experts is None else experts.tolist()
+
+
 def _not_finite(path: Path) -> list[str]:
     """The names of the tensors in the safetensors file at ``path`` that hold a NaN or an infinite value."""
     import torch
@@ -430,10 +449,9 @@ def application(
     return app
 
 
-async def serve(options: ActorArgs, applied: AppliedSettings) -> None:
+async def serve(options: ActorArgs, applied: AppliedSettings, config: PodConfig | None) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    config = load_pod_config(os.environ)
     update = config.weight_update if config is not None else WeightUpdateSemantics()
     backend = backend_of(os.environ)
     in_pod = bool(os.environ.get(environment.POD_NAME))
@@ -496,22 +514,32 @@ def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOri
     )
 
 
-def command_line() -> tuple[ActorArgs, AppliedSettings]:
-    """The actor's command line (also a group's worker pods'), its settings mapped onto the installed vLLM; exits
-    saying why when vLLM cannot honour a setting or serve the model's architecture."""
+def with_moe_engine_args(applied: AppliedSettings, model: str, config: PodConfig | None) -> AppliedSettings:
+    """``applied``, with the engine arguments the job's LoRA adapter and routing replay need on ``model``
+    (lockstep_workers.architectures.moe_engine_args; raises UnsupportedArchitecture where this vLLM cannot)."""
+    lora = config is not None and config.training.lora is not None
+    replay = config is not None and config.routing_replay
+    needed = moe_engine_args(model, lora=lora, routing_replay=replay, has_triton=vllm_has_triton())
+    return dataclasses.replace(applied, engine_args=applied.engine_args | needed)
+
+
+def command_line() -> tuple[ActorArgs, AppliedSettings, PodConfig | None]:
+    """The actor's command line (also a group's worker pods'), its settings mapped onto the installed vLLM, and the
+    job's PodConfig (None outside an RLJob); exits saying why when vLLM cannot honour a setting or serve the model's
+    architecture as the job asks."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = parse_actor_args()
+    config = load_pod_config(os.environ)
     try:
-        applied = applied_settings(options.vllm)
         check_architecture(options.model)
+        applied = with_moe_engine_args(applied_settings(options.vllm), options.model, config)
     except (UnsupportedSetting, UnsupportedArchitecture) as refused:
         raise SystemExit(f"the actor does not start: {refused}") from None
-    return options, applied
+    return options, applied, config
 
 
 def main() -> None:
-    options, applied = command_line()
-    asyncio.run(serve(options, applied))
+    asyncio.run(serve(*command_line()))
 
 
 if __name__ == "__main__":

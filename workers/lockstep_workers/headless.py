@@ -17,13 +17,12 @@ import dataclasses
 import os
 
 from lockstep import environment
-from lockstep.podconfig import load_pod_config
 from lockstep_workers.actor import backend_of, command_line, engine_args, lora_engine
 from lockstep_workers.group import node_of, placement
 
 
 def main() -> None:
-    options, applied = command_line()
+    options, applied, config = command_line()
     if options.group is None:
         raise SystemExit("lockstep_workers.headless runs a worker pod of an actor group: it needs --group")
     node = node_of(os.environ, options.group)
@@ -31,7 +30,7 @@ def main() -> None:
         raise SystemExit(
             f"{environment.GROUP_WORKER_INDEX}=0 is the group's leader, which runs python -m lockstep_workers.actor"
         )
-    lora = lora_engine(load_pod_config(os.environ))
+    lora = lora_engine(config)
     arguments = engine_args(options.model, applied, backend_of(os.environ), lora, placement(options.group, node))
     from vllm.entrypoints.cli.serve import run_headless
 

@@ -557,10 +557,16 @@ def job_configuration(config: PodConfig) -> Configuration:
 def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> int:
     """Measure the job's effective configuration and write a PreflightResult on this pod (with the engine
     arguments the settings were applied as); exit 1, naming them, when this vLLM cannot honour the settings or the
-    model is of a refused architecture (lockstep_workers.architectures)."""
+    model is of a refused architecture, or a mixture of experts this vLLM cannot run as the job asks
+    (lockstep_workers.architectures)."""
     from lockstep_workers.actor import applied_settings
     from lockstep_workers.agent import pod_api
-    from lockstep_workers.architectures import UnsupportedArchitecture, check_architecture
+    from lockstep_workers.architectures import (
+        UnsupportedArchitecture,
+        check_architecture,
+        moe_engine_args,
+        vllm_has_triton,
+    )
 
     config = load_pod_config(environ)
     if config is None:
@@ -572,6 +578,13 @@ def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> in
     try:
         applied = applied_settings(configuration.vllm)
         check_architecture(str(model))
+        # What the actors would refuse; the preflight's own engine measures logprobs and needs no routings.
+        moe_engine_args(
+            str(model),
+            lora=config.training.lora is not None,
+            routing_replay=config.routing_replay,
+            has_triton=vllm_has_triton(),
+        )
     except (UnsupportedSetting, UnsupportedArchitecture) as refused:
         raise SystemExit(f"the preflight does not start: {refused}") from None
     with tempfile.TemporaryDirectory() as workdir:

@@ -110,7 +110,9 @@ def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path)
         finally:
             llm.shutdown()
 
-    assert_spans_the_update(asyncio.run(scenario()), model_dir, updated)
+    result = asyncio.run(scenario())
+    assert_spans_the_update(result, model_dir, updated)
+    assert result["routed_experts"] is None, "a dense model, without routing replay"
 
 
 @contextmanager

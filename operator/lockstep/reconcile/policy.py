@@ -80,8 +80,7 @@ def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
                 f"ParityPolicy {config.policy!r} (Enforce) locks keys this job sets otherwise: {conflicts}. "
                 "Remove them from spec.actors.vllm or set them to the locked values"
             )
-        if config.lora_conflict:
-            refusals.append(config.lora_conflict.refusal(config.policy))
+        refusals += [conflict.refusal(config.policy) for conflict in config.requirement_conflicts]
         message = f"{'. '.join(refusals)}; no pods run until then"
         run.stop_all_pods(spec, "the job conflicts with its ParityPolicy")
         run.status.phase = Phase.PENDING
@@ -89,14 +88,22 @@ def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
         run.condition(READY, False, Reason.CONFLICTS_WITH_POLICY, message)
         summary.count(run, spec, {})
         return None
-    lora = lora_report(config)
-    if not config.conflicts and lora is None:
+    lora, replay = lora_report(config), routing_replay_report(config)
+    requirements = [report for report in (lora, replay) if report is not None]
+    if not config.conflicts and not requirements:
         run.condition(PARITY_LOCKED, True, Reason.LOCKED, f"vLLM settings locked by ParityPolicy {config.policy!r}")
     elif config.enforcement is Enforcement.WARN:
         parts = [f"overrode: {conflicts}; the pods run with the locked values"] if config.conflicts else []
-        message = f"ParityPolicy {config.policy!r} (Warn) " + "; ".join(parts + ([lora] if lora else []))
-        # The vLLM settings are locked either way; the LoRA requirement is the one thing Warn cannot apply.
-        reason = Reason.LORA_NOT_AS_POLICY_REQUIRES if lora else Reason.LOCKED_VALUES_APPLIED
+        message = f"ParityPolicy {config.policy!r} (Warn) " + "; ".join(parts + requirements)
+        # The vLLM settings are locked either way; the LoRA and routing replay requirements are what Warn cannot
+        # apply.
+        reason = (
+            Reason.LORA_NOT_AS_POLICY_REQUIRES
+            if lora
+            else Reason.ROUTING_REPLAY_NOT_AS_POLICY_REQUIRES
+            if replay
+            else Reason.LOCKED_VALUES_APPLIED
+        )
         run.condition(PARITY_LOCKED, True, reason, message)
     else:
         parts = (
@@ -104,7 +111,7 @@ def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
             if config.conflicts
             else []
         )
-        message = f"ParityPolicy {config.policy!r} (Audit) " + "; ".join(parts + ([lora] if lora else []))
+        message = f"ParityPolicy {config.policy!r} (Audit) " + "; ".join(parts + requirements)
         run.condition(PARITY_LOCKED, False, Reason.AUDIT_ONLY, message)
     run.status.config_fingerprint = config.fingerprint
     return config
@@ -120,3 +127,16 @@ def lora_report(config: EffectiveConfig) -> str | None:
         f"records that {config.lora_conflict.describe()}; the trainer trains {trains} all the same (a policy never "
         f"adds or drops an adapter); to comply, create the RLJob again {fix} spec.trainer.lora (it is immutable)"
     )
+
+
+def routing_replay_report(config: EffectiveConfig) -> str | None:
+    """How a job that a Warn or Audit policy admits breaks the policy's spec.routingReplay, what its actors do all
+    the same, and the fix; None when it does not break it."""
+    if config.routing_replay_conflict is None:
+        return None
+    if config.routing_replay:
+        does, fix = "the actors replay their routing all the same", "set spec.actors.routingReplay to false"
+    else:
+        does = "the actors run without routing replay"
+        fix = "create the RLJob again with spec.actors.group.pipelineParallelSize 1 (spec.actors.group is immutable)"
+    return f"records that {config.routing_replay_conflict.describe()}; {does}; to comply, {fix}"

@@ -28,6 +28,7 @@ class Reason(StrEnum):
     LOCKED = "Locked"
     LOCKED_VALUES_APPLIED = "LockedValuesApplied"
     LORA_NOT_AS_POLICY_REQUIRES = "LoraNotAsPolicyRequires"
+    ROUTING_REPLAY_NOT_AS_POLICY_REQUIRES = "RoutingReplayNotAsPolicyRequires"
     AUDIT_ONLY = "AuditOnly"
     DRIFT = "Drift"
     CONFLICTS_WITH_POLICY = "ConflictsWithPolicy"
@@ -63,6 +64,7 @@ WARNING = frozenset(
     {
         Reason.LOCKED_VALUES_APPLIED,
         Reason.LORA_NOT_AS_POLICY_REQUIRES,
+        Reason.ROUTING_REPLAY_NOT_AS_POLICY_REQUIRES,
         Reason.MISMATCH_BUDGET_EXCEEDED,
         Reason.WORKLOAD_DELETED,
     }
