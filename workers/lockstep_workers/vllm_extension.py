@@ -6,6 +6,8 @@ re-derive what vLLM derives from a weight that the checkpoint does not name: a h
 in a Hugging Face checkpoint, so its repacked copy kept the old head after every update (measured on
 SmolLM2-135M-Instruct: 2.04 nats). So after each reload the tied modules are tied again and re-processed, and then
 every module is checked against the published tensors (lockstep_workers.load_check) before the actor may resume.
+Before each reload (a file's or a transfer group's), the mixture-of-experts layers are made to redo the processing
+vLLM skips on a reload (prepare_moe_reload).
 Reached only through AsyncLLM.collective_rpc inside the actor process, never over HTTP.
 
 Importing it (vLLM does, in every worker process, before the model loads) also registers the gloo
@@ -18,7 +20,10 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
 from lockstep_workers.load_check import LoadReport, check_loaded, retie, tied_groups
 from lockstep_workers.transfer import GLOO_ENGINE
@@ -26,6 +31,37 @@ from lockstep_workers.weights import tensors
 
 with contextlib.suppress(ValueError):  # "already registered": this module was imported before
     WeightTransferEngineFactory.register_engine(GLOO_ENGINE, "lockstep_workers.gloo_engine", "GlooWeightTransferEngine")
+
+
+def prepare_moe_reload(model: torch.nn.Module) -> int:
+    """Make each mixture-of-experts layer redo, on the next reload, the processing vLLM does at its first load; return
+    how many layers were made to. Call it before every reload: a file's (reload_weights) and a transfer group's
+    (start_weight_update).
+
+    vLLM's unquantized experts (UnquantizedFusedMoEMethod._setup_kernel) treat a reload as a weight update once the
+    layer has its kernel (``moe_kernel``): they copy the new weights in and skip the kernel's own
+    ``process_weights_after_loading``. On the CPU build that hook is where the experts are prepacked
+    (cpu_prepack_moe_weight), so a reload left them in the checkpoint's layout where the kernel reads the packed one:
+    neither version computed (issue 44: up to 0.47 nats on a tiny Mixtral). Clearing ``moe_kernel`` makes the
+    reload take vLLM's first-load path: convert, build the kernel, run the hook; vLLM's layer-wise reload then copies
+    the result into the parameters' original storage, so their addresses (which CUDA graphs capture) are kept.
+
+    Harmless on CUDA: it is cleared only where the kernel's experts have such a hook (the CPU kernels, zentorch,
+    MoonEP); vLLM's unquantized CUDA experts (Triton, FlashInfer, AITER) have none, so their reload is left exactly
+    as vLLM does it. Quantized methods have reload paths of their own and are left alone."""
+    prepared = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if (
+            isinstance(method, UnquantizedFusedMoEMethod)
+            and kernel is not None
+            and type(kernel.fused_experts).process_weights_after_loading
+            is not FusedMoEExperts.process_weights_after_loading
+        ):
+            method.moe_kernel = None
+            prepared += 1
+    return prepared
 
 
 class WeightReloader:
@@ -44,14 +80,19 @@ class WeightReloader:
         report. Raises LoadMismatch, naming the module, when the engine does not compute with the file's tensors."""
         model = self.model_runner.get_model()
         tied = self._tied(model)
+        prepare_moe_reload(model)
         self.model_runner.reload_weights(weights_iterator=tensors(Path(path)), is_checkpoint_format=True)
         retie(model, tied)
         report: LoadReport = check_loaded(model, Path(path), tied)
         return report.as_dict()
 
-    def lockstep_ties(self) -> list[list[str]]:
-        """Record the ties (if not yet), before a transfer group's update; return them."""
-        return self._tied(self.model_runner.get_model())
+    def lockstep_prepare_update(self) -> list[list[str]]:
+        """Just before a transfer group's update (gloo, NCCL): record the ties (if not yet) and make the experts redo
+        their processing (prepare_moe_reload); return the ties."""
+        model = self.model_runner.get_model()
+        tied = self._tied(model)
+        prepare_moe_reload(model)
+        return tied
 
     def lockstep_retie(self) -> None:
         """Re-derive the tied modules after a transfer group's update (gloo, NCCL): vLLM's update_weights loads
