@@ -7,7 +7,7 @@ in a Hugging Face checkpoint, so its repacked copy kept the old head after every
 SmolLM2-135M-Instruct: 2.04 nats). So after each reload the tied modules are tied again and re-processed, and then
 every module is checked against the published tensors (lockstep_workers.load_check) before the actor may resume.
 Before each reload (a file's or a transfer group's), the mixture-of-experts layers are made to redo the processing
-vLLM skips on a reload (prepare_moe_reload).
+vLLM's CPU backend skips on a reload (prepare_moe_reload).
 Reached only through AsyncLLM.collective_rpc inside the actor process, never over HTTP.
 
 Importing it (vLLM does, in every worker process, before the model loads) also registers the gloo
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
 from lockstep_workers.load_check import LoadReport, check_loaded, retie, tied_groups
@@ -33,35 +33,27 @@ with contextlib.suppress(ValueError):  # "already registered": this module was i
     WeightTransferEngineFactory.register_engine(GLOO_ENGINE, "lockstep_workers.gloo_engine", "GlooWeightTransferEngine")
 
 
-def prepare_moe_reload(model: torch.nn.Module) -> int:
-    """Make each mixture-of-experts layer redo, on the next reload, the processing vLLM does at its first load; return
-    how many layers were made to. Call it before every reload: a file's (reload_weights) and a transfer group's
+def prepare_moe_reload(model: torch.nn.Module) -> None:
+    """Make each mixture-of-experts layer of vLLM's CPU backend redo, on the next reload, the processing vLLM does at
+    its first load. Call it before every reload: a file's (reload_weights) and a transfer group's
     (start_weight_update).
 
     vLLM's unquantized experts (UnquantizedFusedMoEMethod._setup_kernel) treat a reload as a weight update once the
-    layer has its kernel (``moe_kernel``): they copy the new weights in and skip the kernel's own
-    ``process_weights_after_loading``. On the CPU build that hook is where the experts are prepacked
+    layer has its kernel (``moe_kernel``): they convert the new weights and copy them in, but skip the kernel's own
+    ``process_weights_after_loading``. On the CPU backend that hook is where the experts are prepacked
     (cpu_prepack_moe_weight), so a reload left them in the checkpoint's layout where the kernel reads the packed one:
-    neither version computed (issue 44: up to 0.47 nats on a tiny Mixtral). Clearing ``moe_kernel`` makes the
-    reload take vLLM's first-load path: convert, build the kernel, run the hook; vLLM's layer-wise reload then copies
-    the result into the parameters' original storage, so their addresses (which CUDA graphs capture) are kept.
+    neither version computed (issue 44: up to 0.47 nats on a tiny Mixtral). Clearing ``moe_kernel`` makes the reload
+    take vLLM's first-load path: convert, build the kernel, run the hook; vLLM's layer-wise reload then copies the
+    result into the parameters' original storage.
 
-    Harmless on CUDA: it is cleared only where the kernel's experts have such a hook (the CPU kernels, zentorch,
-    MoonEP); vLLM's unquantized CUDA experts (Triton, FlashInfer, AITER) have none, so their reload is left exactly
-    as vLLM does it. Quantized methods have reload paths of their own and are left alone."""
-    prepared = 0
+    Harmless on CUDA: only the CPU backend's layers are touched. On the others the hook is absent (Triton, AITER) or
+    acts only on quantized scales (FlashInfer CUTLASS), and the conversion a reload needs runs on every reload, so
+    their reload stays exactly vLLM's: the kernel they built, with any CUDA graph captured around it, is kept.
+    Quantized methods have reload paths of their own and are left alone too."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        if (
-            isinstance(method, UnquantizedFusedMoEMethod)
-            and kernel is not None
-            and type(kernel.fused_experts).process_weights_after_loading
-            is not FusedMoEExperts.process_weights_after_loading
-        ):
+        if isinstance(method, UnquantizedFusedMoEMethod) and method.unquantized_backend is UnquantizedMoeBackend.CPU:
             method.moe_kernel = None
-            prepared += 1
-    return prepared
 
 
 class WeightReloader:
