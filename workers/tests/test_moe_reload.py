@@ -95,6 +95,8 @@ def vllm_plain_reload(llm: Any, path: Path) -> None:
 
 
 def test_vllms_own_reload_mis_packs_the_experts_and_the_check_names_one(engine: Engine) -> None:
+    """Without the actor's preparation the CPU kernel reads the new experts in the checkpoint's layout: the check
+    names a layer and an expert (the logprobs' difference is printed for the record, not asserted)."""
     new = engine.version(1)
     vllm_plain_reload(engine.llm, new / "model.safetensors")
     difference = logprob_differences(engine.llm, new)
