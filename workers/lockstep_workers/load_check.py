@@ -14,15 +14,22 @@ With tensor parallelism each worker holds a shard of most modules, and checks th
 tensor it holds (column-parallel modules, fused ones per part, a vocabulary-parallel embedding or head) or the
 columns (row-parallel ones), as vLLM's own attributes on the module say (``shard_of``). The CPU backend empties a
 linear module's parameter, so the module, not its weight's shape, says what the worker holds.
+
+A mixture-of-experts layer (vLLM's RoutedExperts: ``w13_weight`` stacks each expert's gate and up projections,
+``w2_weight`` its down projection) is checked expert by expert (``check_experts``): its kernel, run with the routing
+forced to that expert, against the expert computed from the published tensors, within EXPERT_TOLERANCE; and, where
+vLLM keeps the parameters in its own layout, the parameters on the probed columns, exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 PROBE_COLUMNS = 4
@@ -62,6 +69,30 @@ def shard_of(module: Any, shapes: list[tuple[int, int]]) -> Shard:
         shard = rank * (total // per_rank) // size  # ranks that share a replicated shard read the same rows
         rows.append((shard * per_rank, (shard + 1) * per_rank))
     return Shard(rows, (0, width))
+
+
+EXPERT_TOLERANCE = 1e-4
+"""The largest relative difference (to the largest value compared) between an expert's output through vLLM's kernel
+and the expert computed from the published tensors in float64, in fp32; in a narrower dtype four of its epsilons
+(bf16: 0.031, fp16: 0.0039), as the kernel rounds the activation and the output to it. Unlike a linear module's
+one-hot product, the expert's activation and its down projection's sum are not exact, and their order is the
+kernel's. Measured on vLLM's CPU kernel in fp32: 6.5e-7 for an expert loaded right; 2.0 for experts a reload left
+in the wrong layout, 1.6 for a stale expert of another random model (bf16 not measured: this host's AMX kernel stops
+on an illegal instruction)."""
+VLLM_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")
+"""vLLM's unquantized expert backends that keep ``w13_weight`` and ``w2_weight`` as loaded ([experts, 2 x
+intermediate, hidden], [experts, hidden, intermediate]); the others convert them to their kernel's layout (the CPU
+backend prepacks them), so only the kernel's output can be compared there."""
+GATED_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+"""act in act(x·gateᵀ) * (x·upᵀ), by vLLM's MoEActivation value; experts with another activation are left
+unchecked."""
+TRANSFORMERS_FUSED = ("gate_up_proj", "down_proj")
+"""transformers' names of a layer's experts fused in memory: [experts, 2 x intermediate, hidden] (gate then up),
+[experts, hidden, intermediate]."""
 
 
 class LoadMismatch(RuntimeError):
@@ -115,6 +146,11 @@ def check_loaded(model: torch.nn.Module, path: Path, tied: list[list[str]]) -> L
         names = set(published.keys())
         checked: set[str] = set()
         for module_name, module in model.named_modules():
+            if _is_routed_experts(module):
+                experts = check_experts(module, published, names)
+                checked.update(experts)
+                report.modules += bool(experts)
+                continue
             weight = getattr(module, "weight", None)
             if not (isinstance(weight, torch.Tensor) and hasattr(module, "quant_method")):
                 continue
@@ -206,4 +242,157 @@ def _check_module(
         raise LoadMismatch(
             f"{name}: vLLM computes with weights other than the published {what} after the load (largest "
             f"difference {largest:.3g}): a copy vLLM derived at load time was not refreshed"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMatrix:
+    """Where the published file holds one projection of one expert: the tensor ``name`` (at index ``expert`` of its
+    first dimension when it stacks every expert, transformers' fused layout), from row ``offset`` on (the up half of
+    a fused gate_up_proj)."""
+
+    name: str
+    expert: int | None = None
+    offset: int = 0
+
+    def read(self, published: Any, rows: tuple[int, int], columns: tuple[int, int]) -> torch.Tensor:
+        """Rows ``[start, stop)`` and columns ``[start, stop)`` of the projection's matrix; only those are read."""
+        tensor = published.get_slice(self.name)
+        first, last = rows[0] + self.offset, rows[1] + self.offset
+        matrix: torch.Tensor = (
+            tensor[first:last, columns[0] : columns[1]]
+            if self.expert is None
+            else tensor[self.expert, first:last, columns[0] : columns[1]]
+        )
+        return matrix
+
+    def __str__(self) -> str:
+        if self.expert is None:
+            return self.name
+        return f"{self.name}[{self.expert}]{' (its up half)' if self.offset else ''}"
+
+
+def published_experts(layer: Any, published: Any, names: set[str]) -> dict[int, tuple[ExpertMatrix, ...]] | None:
+    """Each expert's (gate, up, down) projections in the published file, by its number: one tensor each under the
+    checkpoint's names (``<layer>.<expert>.<name>.weight``, the names vLLM's layer loads: ``ckpt_gate_proj_name``
+    and friends), or transformers' fused tensors (TRANSFORMERS_FUSED); None when the file has neither."""
+    prefix, experts = layer.layer_name, range(layer.moe_config.num_logical_experts)
+    own = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+    each = {e: tuple(ExpertMatrix(f"{prefix}.{e}.{projection}.weight") for projection in own) for e in experts}
+    if all(matrix.name in names for matrices in each.values() for matrix in matrices):
+        return each
+    gate_up, down = (f"{prefix}.{name}" for name in TRANSFORMERS_FUSED)
+    if gate_up in names and down in names and not layer.is_fused_checkpoint_transposed:
+        half = published.get_slice(gate_up).get_shape()[1] // 2
+        return {e: (ExpertMatrix(gate_up, e), ExpertMatrix(gate_up, e, half), ExpertMatrix(down, e)) for e in experts}
+    return None
+
+
+def check_experts(layer: Any, published: Any, names: set[str]) -> set[str]:
+    """Check each expert of a mixture-of-experts layer that this worker holds against the published file; return the
+    published tensors checked (none: the layer is left unchecked, reported). Raises LoadMismatch naming the layer and
+    the expert.
+
+    Its kernel is run with the routing forced to the expert, on a few probed columns of the hidden state: an input
+    that is zero but at one column (scaled by a power of two for an activation of order one, where silu tells gate
+    from up) gives ``act(gate[:, j]) * up[:, j]`` exactly after the first product, and the output's probed rows are
+    compared with the published down projection's rows applied to it. With tensor parallelism the worker holds a
+    slice of each expert's intermediate rows, which its kernel sums over (vLLM reduces after the kernel). Left
+    unchecked: a kernel this check does not know (quantized, monolithic, biased, another activation, rearranged by
+    EPLB) and, for the kernel, expert parallelism (its kernel dispatches across workers; the parameters are still
+    compared where vLLM keeps its layout)."""
+    method, config = layer.quant_method, layer.moe_config
+    parallel = config.moe_parallel_config
+    experts = published_experts(layer, published, names)
+    activation = GATED_ACTIVATIONS.get(getattr(config.activation, "value", ""))
+    backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+    if (
+        experts is None
+        or backend is None
+        or activation is None
+        or not config.is_act_and_mul
+        or config.has_bias
+        or parallel.enable_eplb
+    ):
+        return set()
+    run_kernel = not (method.is_monolithic or parallel.use_ep or parallel.dp_size > 1)
+    compare_parameters = backend in VLLM_LAYOUT_BACKENDS
+    if not (run_kernel or compare_parameters):
+        return set()
+    held = layer.expert_map_manager.get_local_expert_ids()
+    gate_shape = published.get_slice(experts[0][0].name).get_shape()
+    intermediate, width = gate_shape[-2] // (2 if experts[0][0].expert is not None else 1), gate_shape[-1]
+    per_rank = intermediate // parallel.tp_size
+    rows = (parallel.tp_rank * per_rank, (parallel.tp_rank + 1) * per_rank)
+    probes = sorted({round(i * (width - 1) / max(PROBE_COLUMNS - 1, 1)) for i in range(PROBE_COLUMNS)})
+    dtype = layer.w2_weight.dtype
+    checked: set[str] = set()
+    for expert in held:
+        gate, up, down = experts[expert]
+        columns = [  # [intermediate rows held, probes] of gate and up, [probes, intermediate rows held] of down
+            torch.cat([matrix.read(published, rows, (j, j + 1)) for j in probes], 1).to(dtype) for matrix in (gate, up)
+        ]
+        down_rows = torch.cat([down.read(published, (r, r + 1), rows) for r in probes]).to(dtype)
+        what = f"{gate} + {up} + {down}"
+        if compare_parameters:
+            _compare_expert_parameters(layer, expert, columns, down_rows, probes, what)
+        if run_kernel:
+            _compare_expert_kernel(layer, expert, columns, down_rows, probes, activation, what)
+        checked.update(matrix.name for matrix in (gate, up, down))
+    if len(held) < len(experts):  # a fused tensor stacks experts this worker does not hold
+        checked -= {matrix.name for matrix in experts[0] if matrix.expert is not None}
+    return checked
+
+
+def _is_routed_experts(module: Any) -> bool:
+    """vLLM's RoutedExperts: a mixture-of-experts layer's experts, stacked in ``w13_weight`` and ``w2_weight``."""
+    return all(hasattr(module, name) for name in ("w13_weight", "w2_weight", "quant_method", "layer_name"))
+
+
+def _compare_expert_parameters(
+    layer: Any, expert: int, columns: list[torch.Tensor], down_rows: torch.Tensor, probes: list[int], what: str
+) -> None:
+    """The expert's stacked parameters on the probed columns (gate, then up, as vLLM stacks them in ``w13_weight``;
+    the probed rows of ``w2_weight``), exactly, where vLLM keeps its own layout."""
+    local = layer.expert_map_manager.map_global_to_local(expert)
+    w13, w2 = layer.w13_weight.detach()[local], layer.w2_weight.detach()[local]
+    held, half = columns[0].shape[0], w13.shape[0] // 2  # half: the intermediate size, padded
+    if not (
+        torch.equal(w13[:held, probes], columns[0])
+        and torch.equal(w13[half : half + held, probes], columns[1])
+        and torch.equal(w2[probes, :held], down_rows)
+    ):
+        raise LoadMismatch(f"{layer.layer_name}: expert {expert}'s weights are not the published {what} after the load")
+
+
+def _compare_expert_kernel(
+    layer: Any,
+    expert: int,
+    columns: list[torch.Tensor],
+    down_rows: torch.Tensor,
+    probes: list[int],
+    activation: Any,
+    what: str,
+) -> None:
+    """The layer's kernel, routed to ``expert`` alone with weight 1, on inputs that are zero but at one probed column
+    each, against the expert computed from the published tensors in float64 (EXPERT_TOLERANCE)."""
+    gate, up = (part.double() for part in columns)
+    largest = gate.abs().amax(0)
+    scale = torch.where(largest > 0, torch.exp2(torch.round(-torch.log2(largest))), 1.0)  # exact: a power of two
+    expected = down_rows.double() @ (activation(gate * scale) * (up * scale))  # [output rows, inputs]
+    dtype = layer.w2_weight.dtype
+    inputs = torch.zeros(len(probes), layer.hidden_size, dtype=dtype, device=layer.w2_weight.device)
+    inputs[range(len(probes)), probes] = scale.to(dtype)
+    routed = torch.full((len(probes), 1), expert, dtype=torch.int32, device=inputs.device)
+    weights = torch.ones(len(probes), 1, dtype=torch.float32, device=inputs.device)
+    with torch.no_grad():
+        output = layer.quant_method.apply(layer, inputs, weights, routed, None, None)
+    computed = output[:, probes].T.double().cpu()
+    difference = ((computed - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+    tolerance = max(EXPERT_TOLERANCE, 4 * torch.finfo(dtype).eps)
+    if not difference <= tolerance:  # NaN too
+        raise LoadMismatch(
+            f"{layer.layer_name}: expert {expert} computes with weights other than the published {what} after the "
+            f"load (relative difference {difference:.3g}, rounding explains {tolerance:.2g}): its kernel's copy is "
+            "stale or in another layout"
         )

@@ -294,9 +294,11 @@ async def receive(llm: Any, staged: StagedTransfer, backend: WeightSyncBackend) 
         "world_size": group.world_size,
         "packed": backend is WeightSyncBackend.NCCL,
     }
-    await llm.collective_rpc("lockstep_ties")  # recorded before any update can break them
     await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
     try:
+        # the ties, recorded before any update can break them, and the experts (lockstep_workers.vllm_extension):
+        # only once the group is formed, as the engine must not serve in between
+        await llm.collective_rpc("lockstep_prepare_update")
         await llm.start_weight_update()
         await llm.update_weights(WeightTransferUpdateRequest(update_info=manifest.update_info()))
         await llm.finish_weight_update()
