@@ -39,6 +39,7 @@ over micro-batches; only with spec.trainer.objective.routerAuxLossCoefficient.""
 
 _LOAD = "routing_load/"  # statistics: routing_load/<layer>/<expert> tokens
 _MISMATCHED, _COMPARED = "routing_mismatched", "routing_compared"
+_AUX, _AUX_SEQUENCES = "router_aux_loss", "router_aux_sequences"
 
 
 def _by_config(router: Any) -> bool:
@@ -180,9 +181,9 @@ def routing_statistics(
 
 
 def routing_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-    """The routing metrics of a step's statistics (``routing_statistics``' sums, over micro-batches and ranks):
-    EXPERT_LOAD_IMBALANCE, and ROUTING_MISMATCH when there were engine routings (else absent: null); none for a
-    dense model."""
+    """The routing metrics of a step's statistics (``routing_statistics``' and ``aux_statistics``' sums, over
+    micro-batches and ranks): EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH when there were engine routings (else absent:
+    null), ROUTER_AUX_LOSS when it was computed; none for a dense model."""
     layers: dict[str, list[float]] = {}
     for name, tokens in sums.items():
         if name.startswith(_LOAD):
@@ -193,6 +194,8 @@ def routing_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     out = {EXPERT_LOAD_IMBALANCE: sum(ratios) / len(ratios)} if ratios else {}
     if sums.get(_COMPARED):
         out[ROUTING_MISMATCH] = sums[_MISMATCHED] / sums[_COMPARED]
+    if sums.get(_AUX_SEQUENCES):
+        out[ROUTER_AUX_LOSS] = sums[_AUX] / sums[_AUX_SEQUENCES]
     return out
 
 
@@ -202,6 +205,11 @@ def unmeasured(metrics: Mapping[str, float]) -> dict[str, None]:
     if EXPERT_LOAD_IMBALANCE not in metrics:
         return {}
     return {name: None for name in (ROUTING_MISMATCH, TOKENS_DROPPED) if name not in metrics}
+
+
+def aux_statistics(loss: float, sequences: int) -> dict[str, float]:
+    """Additive statistics of one micro-batch's aux loss (``aux_loss``), weighted by its ``sequences``."""
+    return {_AUX: loss * sequences, _AUX_SEQUENCES: float(sequences)}
 
 
 def aux_loss(moe: Sequence[torch.nn.Module], record: Routed, attention: torch.Tensor) -> torch.Tensor:

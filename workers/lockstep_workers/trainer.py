@@ -596,6 +596,7 @@ def _steps(
             max_lag=settings.max_lag,
             max_tokens=rollout.max_tokens,
             reference=model.reference,
+            replay_routing=env.config is not None and env.config.routing_replay,
         )
         metrics = across_ranks(metrics, device)
         metrics["learn_seconds"] = time.monotonic() - learning

@@ -1,16 +1,24 @@
 """Routing in the trainer's MoE layers (lockstep_workers.routing), for each family of its router table, on tiny random
 models: replaying the model's own routing changes nothing; replaying another routing computes what a hand-written
-MoE layer forced to it computes, with the gradient reaching the router; the metrics count what they say."""
+MoE layer forced to it computes, with the gradient reaching the router; the metrics count what they say; ``learn``
+replays the samples' engine routings, measures them and adds the aux loss only when asked; a dense model has no
+routing metric."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from copy import deepcopy
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lockstep.api import Objective
 from lockstep_workers import routing
+from lockstep_workers.learner import Policy, Rollout, learn
 from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.tiny_models import FAMILIES, HIDDEN, Family, create_tiny_model
 
@@ -225,3 +233,77 @@ def test_a_routing_of_another_model_is_refused(model: Any) -> None:
     wrong = torch.zeros(IDS.numel(), len(moe) + 1, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="MoE layers"), routing.routed(moe, wrong, replay=True):
         pass
+
+
+def rollouts_with_routing(model: Any, routed: Callable[[torch.Tensor], torch.Tensor | None]) -> list[Rollout]:
+    """Two groups of two completions of random prompts, with the logprobs of the model and, as an engine returns them
+    (prompt + completion - 1 rows), ``routed`` of the model's own routing of each sequence (an MoE model's)."""
+    rollouts = []
+    for row, sequence in enumerate(torch.randint(0, 256, (4, 10), generator=torch.Generator().manual_seed(1)).tolist()):
+        prompt, completion = sequence[:5], sequence[5 : 6 + row]
+        rollout = Rollout(prompt, completion, [-1.0] * len(completion), row // 2, [0] * len(completion))
+        if routing.routers(model):
+            own = own_routing(model, torch.tensor([prompt + completion]))[:-1]
+            rollout = replace(rollout, routed_experts=routed(own))
+        rollouts.append(rollout)
+    return rollouts
+
+
+def learned(model: Any, rollouts: list[Rollout], replay: bool, aux: float = 0.0) -> dict[str, float]:
+    """The metrics of one ``learn`` on a copy of ``model`` (the router's gradient norm as ``router_grad_norm``)."""
+    trained = deepcopy(model).train()
+    objective = Objective(minibatches=1, router_aux_loss_coefficient=aux, learning_rate=1e-3)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
+    policy = Policy(trained)
+    metrics = learn(policy, optimizer, rollouts, [0.0, 1.0, 0.5, 0.0], objective, 1.0, version=0, replay_routing=replay)
+    grads = [router.weight.grad for router in routing.routers(trained)]
+    return {**metrics, "router_grad_norm": float(torch.stack([g.norm() for g in grads if g is not None]).norm())}
+
+
+def test_learn_replays_the_engines_routing_and_measures_its_mismatch(model: Any) -> None:
+    experts = routing.routers(model)[0].num_experts
+    own = learned(model, rollouts_with_routing(model, lambda r: r), replay=True)
+    assert own[ROUTING_MISMATCH] == 0.0
+    assert 1 <= own[EXPERT_LOAD_IMBALANCE] <= experts
+    unreplayed = learned(model, rollouts_with_routing(model, lambda r: r), replay=False)
+    assert unreplayed["loss"] == own["loss"]  # the own routing replayed: nothing changes
+    other = rollouts_with_routing(model, lambda r: perturbed(r, experts, every=2))
+    replayed, measured = learned(model, other, replay=True), learned(model, other, replay=False)
+    assert measured[ROUTING_MISMATCH] == pytest.approx(
+        sum((len(r.routed_experts) * 2 + 1) // 2 for r in other if r.routed_experts is not None)
+        / sum(len(r.routed_experts) * 2 for r in other if r.routed_experts is not None)
+    )
+    assert measured["loss"] == unreplayed["loss"]  # not replayed: the engine's routing is only measured
+    assert replayed["loss"] != measured["loss"] and replayed["router_grad_norm"] > 0
+    none = learned(model, rollouts_with_routing(model, lambda r: None), replay=True)
+    assert ROUTING_MISMATCH not in none and none["loss"] == unreplayed["loss"]
+    assert routing.ROUTER_AUX_LOSS not in own
+
+
+def test_the_router_aux_loss_is_added_only_when_asked(model: Any) -> None:
+    rollouts = rollouts_with_routing(model, lambda r: None)
+    off, on = learned(model, rollouts, replay=False), learned(model, rollouts, replay=False, aux=0.5)
+    assert routing.ROUTER_AUX_LOSS not in off
+    assert on[routing.ROUTER_AUX_LOSS] >= 1.0 - 1e-6  # Switch's loss is at least 1: equal loads and probabilities
+    assert on["router_grad_norm"] != off["router_grad_norm"]
+    assert on["loss"] == off["loss"]  # the policy loss alone; the term is its own metric
+
+
+def test_a_dense_model_has_no_routing_metrics(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lockstep_workers.tiny_models import family
+
+    dense = AutoModelForCausalLM.from_pretrained(create_tiny_model(family("llama"), tmp_path), dtype=torch.float32)
+    assert routing.routers(dense) == []
+    metrics = learn(
+        Policy(dense),
+        torch.optim.SGD(dense.parameters(), lr=0.0),
+        rollouts_with_routing(dense, lambda r: None),
+        [0.0, 1.0, 0.5, 0.0],
+        Objective(minibatches=1, router_aux_loss_coefficient=0.5),
+        1.0,
+        replay_routing=True,
+    )
+    assert not {ROUTING_MISMATCH, EXPERT_LOAD_IMBALANCE, TOKENS_DROPPED, routing.ROUTER_AUX_LOSS} & set(metrics)
+    assert not any(name.startswith("routing") for name in metrics)

@@ -46,9 +46,11 @@ from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
 from lockstep_workers.objective import Statistics
 from lockstep_workers.rewards import target_words
 from lockstep_workers.rollouts import Rows
+from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.scoring import load_callable
 from lockstep_workers.shaping import masked_if_cut
 from lockstep_workers.tiny_model import create_tiny_llama
+from lockstep_workers.tiny_models import create_tiny_model, family
 
 TEMPERATURE = 1.0
 
@@ -676,6 +678,29 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
     assert_trained_alike(published(tmp_path / "two", 3), published(tmp_path / "one", 3), tmp_path / "one")
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
+
+
+def test_two_ranks_train_a_mixture_of_experts_as_one_does(tmp_path: Path) -> None:
+    """The same on a tiny MoE (tiny_models' qwen3-moe: 4 experts, top-2, fused 3-D expert weights sharded with their
+    decoder layer): the same losses and gradient norms, the same weights, every expert's trained; each step records
+    the experts' load balance, and its routing mismatch and tokens dropped as null (no engine routings; this family
+    drops none)."""
+    model = create_tiny_model(family("qwen3-moe"), tmp_path / "model")
+    one = run_trainer(1, model, tmp_path / "one", steps=2)
+    two = run_trainer(2, model, tmp_path / "two", steps=2)
+    for mine, theirs in zip(two, one, strict=True):
+        for name in ("loss", "reward", "kl_new_old", "entropy", "grad_norm", EXPERT_LOAD_IMBALANCE):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+        assert mine[ROUTING_MISMATCH] is None and mine[TOKENS_DROPPED] is None
+    assert_trained_alike(published(tmp_path / "two", 2), published(tmp_path / "one", 2), tmp_path / "one")
+    start, trained = published(tmp_path / "one", 1), published(tmp_path / "two", 2)
+    experts = [name for name in trained if ".mlp.experts." in name or ".mlp.gate." in name]
+    assert len(experts) == 3 * 2  # gate_up_proj, down_proj and the router of each layer
+    for name in experts:
+        assert trained[name].dim() == (3 if ".experts." in name else 2)
+        moved = (trained[name] - start[name]).flatten(1).norm(dim=1) if ".experts." in name else None
+        assert moved is None or bool((moved > 0).all()), f"{name}: an expert did not train"
+        assert not torch.equal(trained[name], start[name]), name
 
 
 def test_a_failed_background_publish_stops_the_trainer_with_its_error(tmp_path: Path) -> None:
