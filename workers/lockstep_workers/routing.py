@@ -171,6 +171,7 @@ def routing_statistics(
         used = record.used[layer][counted.to(record.used[layer].device)]
         load = torch.bincount(used.flatten(), minlength=_experts(router)).tolist()
         sums |= {f"{_LOAD}{layer}/{expert}": float(tokens) for expert, tokens in enumerate(load)}
+    sums |= {_MISMATCHED: 0.0, _COMPARED: 0.0}  # every rank's statistics have the same names (across_ranks)
     if engine is not None:
         given = engine[:, 0, 0] >= 0
         own = torch.stack([record.own[layer] for layer in range(len(moe))], dim=1).cpu()[given.cpu()]
