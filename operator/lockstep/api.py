@@ -759,8 +759,9 @@ class Objective(Model):
     router_aux_loss_coefficient: Annotated[float, Field(ge=0)] = Field(
         0.0,
         description="Mixture-of-experts models: the loss adds this times the routers' auxiliary load-balancing loss "
-        "(the model family's own, as transformers computes it with output_router_logits), averaged over the "
-        "micro-batches; metric router_aux_loss. 0: none, as RL recipes run it (the trainer never adds it unasked).",
+        "(the model family's own, as transformers computes it with output_router_logits), of each micro-batch (so "
+        "it varies with tokensPerMicroBatch and the trainer's replicas), weighted by its sequences; metric "
+        "router_aux_loss. 0: none, as RL recipes run it (the trainer never adds it unasked).",
     )
     kl_estimator: KlEstimator = Field(
         KlEstimator.K3,
