@@ -240,6 +240,7 @@ def _routed(
     moe: list[torch.nn.Module],
     rollouts: Sequence[Rollout],
     replay: bool,
+    device: torch.device,
     *,
     keep_logits: bool = False,
     measured: dict[str, float] | None = None,
@@ -248,7 +249,8 @@ def _routed(
     lockstep_workers.routing.routed does (replaying the rollouts' engine routings with ``replay``); after it, the
     statistics of its routing are added to ``measured`` (a dense model's ``moe`` is empty: nothing is recorded)."""
     attention = attention_mask(rollouts)
-    engine = routing.engine_routing([r.routed_experts for r in rollouts], attention.shape[1]) if moe else None
+    routings = [r.routed_experts for r in rollouts]
+    engine = routing.engine_routing(routings, attention.shape[1], device) if moe else None
     with routing.routed(moe, engine, replay=replay, keep_logits=keep_logits) as record:
         yield record
     if moe and measured is not None:
@@ -393,7 +395,7 @@ def learn(
     routed: dict[str, float] = {}
     for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device):
         scored = [rollouts[i] for i in rows]
-        with torch.no_grad(), _routed(moe, scored, replay_routing, measured=routed):
+        with torch.no_grad(), _routed(moe, scored, replay_routing, device, measured=routed):
             passes.append(token_logprobs(policy, scored, temperature, top_p=top_p, with_entropy=True, width=widest))
     old, entropy, completion = (torch.cat([part[n] for part in passes]) for n in range(3))  # type: ignore[misc]
     references = _reference_logprobs(reference, policy, rollouts, objective, temperature, top_p, widest, device)
@@ -424,7 +426,7 @@ def learn(
         for part in micro_batches(rows, rollouts, objective.tokens_per_micro_batch, device):
             batched = [rollouts[i] for i in part]
             # The backward runs within too: a layer recomputed in it (activation checkpointing) routes alike.
-            with _routed(moe, batched, replay_routing, keep_logits=bool(aux_coefficient)) as record:
+            with _routed(moe, batched, replay_routing, device, keep_logits=bool(aux_coefficient)) as record:
                 new, new_entropy, _ = token_logprobs(
                     policy,
                     batched,

@@ -89,14 +89,13 @@ def routed(
     none) is computed by those experts, weighted by the router's softmax probabilities of them (renormalized as the
     family does), the gradient flowing to the router. A pass recomputed in the backward (activation checkpointing)
     routes alike, so the backward must run within too. Raises ValueError when ``engine`` does not fit the model."""
-    if replay and engine is not None:
-        if not moe:
-            raise ValueError("routing replay was asked for, but this model has no router that the trainer can replay")
-        if engine.shape[1:] != (len(moe), _top_k(moe[0])):
-            raise ValueError(
-                f"the engine's routed experts have {engine.shape[1]} layers of top-{engine.shape[2]}; this model has "
-                f"{len(moe)} MoE layers of top-{_top_k(moe[0])}: the actors serve another model than the trainer's"
-            )
+    if replay and engine is not None and not moe:
+        raise ValueError("routing replay was asked for, but this model has no router that the trainer can replay")
+    if engine is not None and moe and engine.shape[1:] != (len(moe), _top_k(moe[0])):
+        raise ValueError(
+            f"the engine's routed experts have {engine.shape[1]} layers of top-{engine.shape[2]}; this model has "
+            f"{len(moe)} MoE layers of top-{_top_k(moe[0])}: the actors serve another model than the trainer's"
+        )
     record = Routed()
     handles = [
         router.register_forward_hook(_hook(layer, record, engine if replay else None, keep_logits))
