@@ -7,11 +7,15 @@ gloo. The same code runs on either, and on one rank as on many.
 
 from __future__ import annotations
 
+import re
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -90,11 +94,57 @@ def full_state_dict(causal_lm: torch.nn.Module, *, trainable_only: bool = False)
     if trainable_only:  # no buffers either
         trains = {name for name, parameter in causal_lm.named_parameters() if parameter.requires_grad}
         gathered = {name: t for name, t in gathered.items() if name in trains}
-    return {
+    whole = {
         name: t.clone() if t.untyped_storage().data_ptr() in live else t
         for name, t in gathered.items()
         if name not in aliases and isinstance(t, torch.Tensor)
     }
+    return whole if trainable_only else checkpoint_names(causal_lm, whole)
+
+
+def checkpoint_names(causal_lm: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (the model's state dict as it holds it in memory) under its checkpoint's names and layout, as
+    ``save_pretrained`` writes them: transformers' own inverse of the conversion it applied at load
+    (``revert_weight_conversion``). Transformers 5 holds a mixture of experts' weights fused, one 3-D tensor per layer
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); checkpoints, and so vLLM's loader, name one tensor per
+    expert and projection. Dense models come back as they are. Converted one decoder layer at a time (the tensors
+    of one layer and their converted copies at most exist twice), and each converted tensor owns its storage (a
+    view of a fused tensor would share it with its siblings, which ``weights.publish`` would write once)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        layers.setdefault(_layer_of(name), {})[name] = tensor
+    converted: dict[str, torch.Tensor] = {}
+    for layer in layers.values():
+        for name, tensor in revert_weight_conversion(causal_lm, layer).items():
+            converted[name] = tensor.clone() if tensor._base is not None else tensor
+    return converted
+
+
+def memory_names(causal_lm: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint-format safetensors file at ``path`` (a published version) under the names and
+    layout ``causal_lm`` holds them in memory: the inverse of ``checkpoint_names``, by transformers' own loader (a
+    model of ``causal_lm``'s config loaded from a directory of that config and the file), when the names differ."""
+    tensors = load_file(str(path))
+    if set(tensors) <= set(causal_lm.state_dict()):
+        return tensors
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as directory:
+        causal_lm.config.save_pretrained(directory)
+        (Path(directory) / "model.safetensors").symlink_to(path.resolve())
+        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return dict(loaded.state_dict())
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def _layer_of(name: str) -> str:
+    """The decoder layer a parameter is in (``model.layers.3``), or "" for the parameters outside every layer."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else ""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

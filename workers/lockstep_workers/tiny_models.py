@@ -110,6 +110,28 @@ FAMILIES: tuple[Family, ...] = (
         {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2},
         mixture_of_experts=True,
     ),
+    Family(
+        "olmoe",
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        "4 experts, top-2, no renormalisation of the top-k probabilities, q/k norms over all heads",
+        {**_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False},
+        mixture_of_experts=True,
+    ),
+    Family(
+        "qwen2-moe",
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        "4 experts, top-2, a shared expert behind a sigmoid gate, q/k/v biases",
+        {
+            **_ATTENTION,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+        },
+        mixture_of_experts=True,
+    ),
 )
 """The families of the verified matrix, in its order."""
 

@@ -245,7 +245,13 @@ def restore(env: PodEnvironment, model: TrainedModel) -> Resumption:
         path = checkpoint.step_path(env.checkpoints_dir, resumed.checkpoint)
         checkpoint.load(path, model.causal_lm, model.optimizer, device, trainable_only=adapter_only)
     if resumed.weights is not None:
-        whole = dict(tensors(resumed.weights)) if env.rank == 0 else {}
+        whole = {}
+        if env.rank == 0:
+            whole = (
+                dict(tensors(resumed.weights))
+                if adapter_only
+                else sharding.memory_names(model.causal_lm, resumed.weights)
+            )
         if adapter_only and env.rank == 0:
             try:
                 whole = lora.live_names(whole)

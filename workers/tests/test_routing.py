@@ -1,8 +1,8 @@
-"""Routing in the trainer's MoE layers (lockstep_workers.routing), for each family of its router table, on tiny random
-models: replaying the model's own routing changes nothing; replaying another routing computes what a hand-written
-MoE layer forced to it computes, with the gradient reaching the router; the metrics count what they say; ``learn``
-replays the samples' engine routings, measures them and adds the aux loss only when asked; a dense model has no
-routing metric."""
+"""Routing in the trainer's MoE layers (lockstep_workers.routing), on the tiny random model of each MoE family of
+tiny_models, one for each router of its table: replaying the model's own routing changes nothing; replaying another
+routing computes what a hand-written MoE layer forced to it computes, with the gradient reaching the router; the
+metrics count what they say; ``learn`` replays the samples' engine routings, measures them and adds the aux loss
+only when asked; a dense model has no routing metric."""
 
 from __future__ import annotations
 
@@ -20,45 +20,12 @@ from lockstep.api import Objective
 from lockstep_workers import routing
 from lockstep_workers.learner import Policy, Rollout, learn
 from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
-from lockstep_workers.tiny_models import FAMILIES, HIDDEN, Family, create_tiny_model
+from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model
 
-_EXPERTS = {"num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
-TABLE_FAMILIES = {
-    "Qwen3MoeTopKRouter": Family(
-        "qwen3-moe",
-        "Qwen3MoeForCausalLM",
-        "Qwen3MoeConfig",
-        "",
-        {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 64},
-        mixture_of_experts=True,
-    ),
-    "MixtralTopKRouter": Family(
-        "mixtral", "MixtralForCausalLM", "MixtralConfig", "", {**_EXPERTS, "num_local_experts": 4}, True, True
-    ),
-    "OlmoeTopKRouter": Family(
-        "olmoe", "OlmoeForCausalLM", "OlmoeConfig", "", {**_EXPERTS, "num_experts": 4}, mixture_of_experts=True
-    ),
-    "Qwen2MoeTopKRouter": Family(
-        "qwen2-moe",
-        "Qwen2MoeForCausalLM",
-        "Qwen2MoeConfig",
-        "",
-        {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 2 * HIDDEN},
-        mixture_of_experts=True,
-    ),
-}
-"""A tiny model of each router in routing.ROUTERS, as tiny_models makes them (hidden 128, 2 layers, 4 experts, top-2)
-where FAMILIES does not have one yet."""
+MOE_FAMILIES = [f for f in FAMILIES if f.mixture_of_experts]
 
 
-def table_families() -> list[Family]:
-    """tiny_models' MoE families, and a family for each router of the table that none of them has."""
-    ours = [f for f in FAMILIES if f.mixture_of_experts]
-    known = {f.architecture for f in ours}
-    return ours + [f for f in TABLE_FAMILIES.values() if f.architecture not in known]
-
-
-@pytest.fixture(scope="module", params=table_families(), ids=lambda f: f.name)
+@pytest.fixture(scope="module", params=MOE_FAMILIES, ids=lambda f: f.name)
 def model(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -93,9 +60,16 @@ def perturbed(own: torch.Tensor, experts: int, every: int = 3) -> torch.Tensor:
     return changed
 
 
-def test_every_family_of_the_table_is_tested_and_has_routers() -> None:
-    assert {f.architecture for f in table_families()} >= {f.architecture for f in TABLE_FAMILIES.values()}
-    assert set(TABLE_FAMILIES) == set(routing.ROUTERS)
+def test_every_router_of_the_table_has_a_family_and_every_moe_family_a_router(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    found = set()
+    for family in MOE_FAMILIES:
+        causal_lm = AutoModelForCausalLM.from_pretrained(create_tiny_model(family, tmp_path / family.name))
+        names = {type(router).__name__ for router in routing.routers(causal_lm)}
+        assert len(names) == 1, f"{family.name}: its routers are not in routing.ROUTERS"
+        found |= names
+    assert found == set(routing.ROUTERS)
 
 
 def test_replaying_the_models_own_routing_changes_nothing(model: Any) -> None:
