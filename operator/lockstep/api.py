@@ -813,6 +813,13 @@ class Objective(Model):
         "rank holds a shard of (fp32 parameters: a quarter more memory than the trained copy with its gradients and "
         "AdamW state). Metrics kl_ref (the estimate's mean over tokens) and kl_loss (the term). 0: none.",
     )
+    router_aux_loss_coefficient: Annotated[float, Field(ge=0)] = Field(
+        0.0,
+        description="Mixture-of-experts models: the loss adds this times the routers' auxiliary load-balancing loss "
+        "(the model family's own, as transformers computes it with output_router_logits), of each micro-batch (so "
+        "it varies with tokensPerMicroBatch and the trainer's replicas), weighted by its sequences; metric "
+        "router_aux_loss. 0: none, as RL recipes run it (the trainer never adds it unasked).",
+    )
     kl_estimator: KlEstimator = Field(
         KlEstimator.K3,
         description="The per-token estimate of the KL, with x = log pi - log pi_ref (Schulman's): k1 = x, k2 = x^2 / "

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from lockstep_workers.learner import Rollout
 
 LOCKED_SAMPLING = ("temperature", "top_p")
@@ -31,11 +33,14 @@ LOCKED_SAMPLING = ("temperature", "top_p")
 
 @dataclass(frozen=True)
 class Generation:
-    """One policy turn: the tokens sampled, their processed logprobs and the weights version of each."""
+    """One policy turn: the tokens sampled, their processed logprobs and the weights version of each; with an MoE
+    model whose engine returns them, the routed experts of the whole sequence, the turn's input and its tokens
+    ([tokens, MoE layers, top_k], lockstep_workers.routing; else None)."""
 
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,10 @@ class EpisodeClient:
 
 def episode_rollout(episode: Episode, prompt: list[int], group: int, turns: Sequence[Generation]) -> Rollout:
     """The rollout of ``episode`` (raises ValueError naming what does not fit). Each policy token gets the version
-    of its turn when the policy tokens are the turns' tokens in order; otherwise every token gets the oldest
-    version of any turn, so that the staleness bound errs on the safe side."""
+    of its turn when the policy tokens are the turns' tokens in order, and the rollout the last turn's routed
+    experts (which cover the conversation up to that turn's tokens, its input being the whole conversation so far);
+    otherwise every token gets the oldest version of any turn, so that the staleness bound errs on the safe side,
+    and the rollout no routed experts (the trainer routes it itself)."""
     lengths = {len(episode.token_ids), len(episode.logprobs), len(episode.policy_mask)}
     if len(lengths) != 1:
         raise ValueError(
@@ -103,9 +110,11 @@ def episode_rollout(episode: Episode, prompt: list[int], group: int, turns: Sequ
     turn_versions = [version for turn in turns for version in turn.versions]
     policy_tokens = [token for token, own in zip(episode.token_ids, episode.policy_mask, strict=True) if own]
     oldest = min(turn_versions, default=0)
+    routed_experts = None
     if policy_tokens == turn_tokens and len(turn_versions) == len(turn_tokens):
         own_versions = iter(turn_versions)
         versions = [next(own_versions) if own else oldest for own in episode.policy_mask]
+        routed_experts = turns[-1].routed_experts if turns else None
     else:
         versions = [oldest] * len(episode.token_ids) if turn_versions else []
     return Rollout(
@@ -115,4 +124,5 @@ def episode_rollout(episode: Episode, prompt: list[int], group: int, turns: Sequ
         group,
         versions,
         [bool(own) for own in episode.policy_mask],
+        routed_experts,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.api import AdvantageEstimator, Objective
-from lockstep_workers import lora
+from lockstep_workers import lora, routing
 from lockstep_workers.objective import Batch, Statistics, loss_denominator, policy_loss
 from lockstep_workers.optimization import clip_gradients
 
@@ -44,6 +44,10 @@ class Rollout:
     policy_mask: list[bool] = field(default_factory=list)
     """Which completion tokens the policy sampled (a multi-turn rollout's environment inserted the others, which
     stay out of the loss); empty: every one."""
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """An MoE model's routing in the rollout engine: each token's experts in each MoE layer, [tokens, MoE layers,
+    top_k] from the prompt's first token (vLLM's routed_experts; lockstep_workers.routing); None when the engine
+    returned none."""
 
 
 def lag_of(rollout: Rollout, version: int) -> int:
@@ -194,7 +198,8 @@ def token_logprobs(
     ``with_entropy``; with gradient when it is enabled) and the completion mask, all [sequences, ``width`` or the
     longest completion] on the policy's device. A token outside the trainer's top-p set gets -inf."""
     device = device_of(policy)
-    longest = max(len(r.prompt) + len(r.completion) for r in rollouts)
+    attention = attention_mask(rollouts)
+    longest = attention.shape[1]
     width = width or max(len(r.completion) for r in rollouts)
     ids = torch.zeros(len(rollouts), longest, dtype=torch.long)
     mask = torch.zeros(len(rollouts), width)
@@ -208,7 +213,6 @@ def token_logprobs(
         targets += r.completion
         mask[row, : len(r.completion)] = 1
     ids, mask = ids.to(device), mask.to(device)
-    attention = (torch.arange(longest) < torch.tensor([[len(r.prompt) + len(r.completion)] for r in rollouts])).long()
     scored, entropy = policy(
         ids,
         attention.to(device),
@@ -222,6 +226,36 @@ def token_logprobs(
     logprobs = torch.zeros(mask.shape, device=device, dtype=scored.dtype).masked_scatter(where, scored)
     entropies = None if entropy is None else torch.zeros_like(mask).masked_scatter(where, entropy)
     return logprobs, entropies, mask
+
+
+def attention_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """[sequences, longest] 1 at each sequence's tokens (prompt and completion), 0 at the padding after them: how
+    ``token_logprobs`` lays out a batch."""
+    lengths = torch.tensor([[len(r.prompt) + len(r.completion)] for r in rollouts])
+    return (torch.arange(int(lengths.max())) < lengths).long()
+
+
+@contextlib.contextmanager
+def _routed(
+    moe: list[torch.nn.Module],
+    rollouts: Sequence[Rollout],
+    replay: bool,
+    device: torch.device,
+    *,
+    keep_logits: bool = False,
+    measured: dict[str, float] | None = None,
+) -> Iterator[routing.Routed]:
+    """Within: ``token_logprobs`` of ``rollouts`` routes through the MoE routers ``moe`` as
+    lockstep_workers.routing.routed does (replaying the rollouts' engine routings with ``replay``); after it, the
+    statistics of its routing are added to ``measured`` (a dense model's ``moe`` is empty: nothing is recorded)."""
+    attention = attention_mask(rollouts)
+    routings = [r.routed_experts for r in rollouts]
+    engine = routing.engine_routing(routings, attention.shape[1], device) if moe else None
+    with routing.routed(moe, engine, replay=replay, keep_logits=keep_logits) as record:
+        yield record
+    if moe and measured is not None:
+        found = routing.routing_statistics(moe, record, attention.flatten().bool(), engine)
+        measured.update({name: measured.get(name, 0.0) + value for name, value in found.items()})
 
 
 def group_advantages(
@@ -321,6 +355,7 @@ def learn(
     max_lag: int | None = None,
     max_tokens: int | None = None,
     reference: Policy | None = None,
+    replay_routing: bool = False,
 ) -> dict[str, float]:
     """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
     micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics (its sums and counts over the
@@ -337,6 +372,12 @@ def learn(
     The staleness bound: with ``version`` and ``max_lag``, a rollout with a token more than ``max_lag`` versions
     behind ``version`` never reaches the loss; it raises ValueError (the trainer drops such samples before,
     lockstep_workers.rollouts.fresh_rollouts).
+
+    An MoE model (lockstep_workers.routing): with ``replay_routing`` every pass of the policy computes each token
+    with the experts of its rollout's engine routing (``Rollout.routed_experts``, where present); the first pass
+    measures the routing (routing_mismatch against the engine's, expert_load_imbalance), and with
+    objective.router_aux_loss_coefficient the loss adds the routers' load-balancing loss. Never otherwise: the
+    model's own forward, which adds it with output_router_logits, is not what computes the loss here.
     """
     if version is not None and max_lag is not None:
         stale = [lag_of(r, version) for r in rollouts if lag_of(r, version) > max_lag]
@@ -348,13 +389,14 @@ def learn(
     device = device_of(policy)
     everything = list(range(len(rollouts)))
     widest = max(len(r.completion) for r in rollouts)
-    with torch.no_grad():
-        passes = [
-            token_logprobs(
-                policy, [rollouts[i] for i in rows], temperature, top_p=top_p, with_entropy=True, width=widest
-            )
-            for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device)
-        ]
+    moe = routing.routers(policy.causal_lm)
+    aux_coefficient = objective.router_aux_loss_coefficient if moe else 0.0
+    passes = []
+    routed: dict[str, float] = {}
+    for rows in micro_batches(everything, rollouts, objective.tokens_per_micro_batch, device):
+        scored = [rollouts[i] for i in rows]
+        with torch.no_grad(), _routed(moe, scored, replay_routing, device, measured=routed):
+            passes.append(token_logprobs(policy, scored, temperature, top_p=top_p, with_entropy=True, width=widest))
     old, entropy, completion = (torch.cat([part[n] for part in passes]) for n in range(3))  # type: ignore[misc]
     references = _reference_logprobs(reference, policy, rollouts, objective, temperature, top_p, widest, device)
     # Only the tokens the policy sampled reach the loss, not those a multi-turn environment inserted; a token vLLM
@@ -374,35 +416,43 @@ def learn(
         advantages = whitened_rewards(reward, mask.sum(dim=-1).double().cpu(), device).to(device)
     else:
         advantages = group_advantages(reward, groups, objective.advantage).to(device)
-    statistics = _batch_statistics(reward, groups, sampled.cpu(), mask.cpu())
+    statistics = _batch_statistics(reward, groups, sampled.cpu(), mask.cpu()) + Statistics(routed)
     for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
         rows = torch.isin(groups, chunk).nonzero()[:, 0].tolist()
         # What the minibatch's loss averages over, on every rank together: each micro-batch's loss is weighted by
         # its share of the total, times the ranks, since FSDP averages the gradients over them.
-        (total,) = _summed([loss_denominator(mask[rows], objective)], device)
+        (total, sequences) = _summed([loss_denominator(mask[rows], objective), float(len(rows))], device)
         optimizer.zero_grad()
         for part in micro_batches(rows, rollouts, objective.tokens_per_micro_batch, device):
-            new, new_entropy, _ = token_logprobs(
-                policy,
-                [rollouts[i] for i in part],
-                temperature,
-                top_p=top_p,
-                with_entropy=bool(objective.entropy_coefficient),
-                width=widest,
-            )
-            kept = mask[part]
-            batch = Batch(
-                torch.where(kept.bool(), new, 0.0),
-                old[part],
-                rollout[part],
-                advantages[part],
-                kept,
-                entropy[part],
-                None if new_entropy is None else torch.where(kept.bool(), new_entropy, 0.0),
-                None if references is None else references[part],
-            )
-            loss, measured = policy_loss(batch, objective, max_tokens)
-            (loss * measured.sums["loss_units"] / max(total, 1.0) * _world()).backward()
+            batched = [rollouts[i] for i in part]
+            # The backward runs within too: a layer recomputed in it (activation checkpointing) routes alike.
+            with _routed(moe, batched, replay_routing, device, keep_logits=bool(aux_coefficient)) as record:
+                new, new_entropy, _ = token_logprobs(
+                    policy,
+                    batched,
+                    temperature,
+                    top_p=top_p,
+                    with_entropy=bool(objective.entropy_coefficient),
+                    width=widest,
+                )
+                kept = mask[part]
+                batch = Batch(
+                    torch.where(kept.bool(), new, 0.0),
+                    old[part],
+                    rollout[part],
+                    advantages[part],
+                    kept,
+                    entropy[part],
+                    None if new_entropy is None else torch.where(kept.bool(), new_entropy, 0.0),
+                    None if references is None else references[part],
+                )
+                loss, measured = policy_loss(batch, objective, max_tokens)
+                loss = loss * measured.sums["loss_units"] / max(total, 1.0)
+                if aux_coefficient:  # the minibatch's mean over its sequences, as the loss's share is
+                    aux = routing.aux_loss(moe, record, attention_mask(batched).to(device))
+                    loss = loss + aux_coefficient * aux * len(part) / sequences
+                    measured += Statistics(routing.aux_statistics(aux.item(), len(part)))
+                (loss * _world()).backward()
             statistics += measured
         norm = clip_gradients(policy.parameters(), objective.optimizer.max_grad_norm)
         statistics += _gradient_statistics(norm)

@@ -39,6 +39,7 @@ from lockstep.api import (
     Objective,
     RolloutCorrection,
 )
+from lockstep_workers.routing import routing_metrics
 
 LOG_WEIGHT_BOUND = 20.0
 """Log importance weights are clamped to [-20, 20] before exp (verl's SAFETY_BOUND): a sequence's product of token
@@ -151,6 +152,7 @@ class Statistics:
             out["zero_advantage_groups"] = s["zero_advantage_groups"]
             out["zero_advantage_group_fraction"] = ratio("zero_advantage_groups", "groups")
             out["outside_top_p_fraction"] = ratio("outside_top_p", "sampled_tokens")
+        out |= routing_metrics(s)
         if "onpolicy_tokens" in s:
             if s["onpolicy_tokens"]:  # else not measured: absent (null in metrics.jsonl), never 0.0
                 out[ONPOLICY_MISMATCH] = ratio("onpolicy_abs_logprob_diff", "onpolicy_tokens")

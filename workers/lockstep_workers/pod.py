@@ -20,6 +20,7 @@ from lockstep import environment, keys
 from lockstep.api import BudgetMetric, WeightSyncBackend
 from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import EvalResult, Mismatch, OutputResult, Weights, document
+from lockstep_workers import routing
 from lockstep_workers.checkpoint import checkpoints_directory
 from lockstep_workers.objective import ONPOLICY_MISMATCH
 from lockstep_workers.scoring import RewardInput
@@ -272,8 +273,15 @@ def record(
 ) -> None:
     """Append the step to metrics.jsonl (and log the same line to the ``tracking`` runs, spec.trainer.tracking) and set
     its gauges; the on-policy mismatch of a step that measured none is null there (left out of TensorBoard) and NaN
-    in its gauge."""
-    line = {"step": step, "version": step, "seconds": round(seconds, 3), ONPOLICY_MISMATCH: None, **metrics}
+    in its gauge, and so are an MoE step's routing metrics that measured nothing (lockstep_workers.routing)."""
+    line = {
+        "step": step,
+        "version": step,
+        "seconds": round(seconds, 3),
+        ONPOLICY_MISMATCH: None,
+        **routing.unmeasured(metrics),
+        **metrics,
+    }
     with env.metrics_file.open("a") as stream:
         stream.write(json.dumps(line) + "\n")
     if tracking is not None:

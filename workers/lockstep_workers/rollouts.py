@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
+import torch
 
 from lockstep import environment
 from lockstep_workers.actor import BUSY_SECONDS_METRIC
@@ -409,7 +410,9 @@ async def collect_rollouts(
                             raise RolloutError(f"actor {url} refused a request as malformed: {await response.text()}")
                         response.raise_for_status()
                         body = await response.json()
-                    return Generation(body["token_ids"], body["logprobs"], body["weights_versions"])
+                    routed = body.get("routed_experts")
+                    experts = None if routed is None else torch.tensor(routed, dtype=torch.int16)
+                    return Generation(body["token_ids"], body["logprobs"], body["weights_versions"], experts)
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
                     reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
                     errors.append(f"{url}: {reason}")

@@ -20,7 +20,9 @@ rank 0 also serves each version's manifest and sends the weights itself, as a me
 (lockstep_workers.transfer). Rollouts of the next step are sampled while the actors take the update in flight; each
 token carries the version it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
 With spec.trainer.lora the base model is frozen and a PEFT LoRA adapter trains (lockstep_workers.lora): each version,
-checkpoint and optimizer state is the adapter's alone.
+checkpoint and optimizer state is the adapter's alone. A mixture-of-experts model's steps record its routing
+(lockstep_workers.routing); with the PodConfig's routingReplay its layers compute each sample with the experts the
+actors routed it to.
 """
 
 from __future__ import annotations
@@ -604,6 +606,7 @@ def _steps(
             max_lag=settings.max_lag,
             max_tokens=rollout.max_tokens,
             reference=model.reference,
+            replay_routing=env.config is not None and env.config.routing_replay,
         )
         metrics = across_ranks(metrics, device)
         metrics["learn_seconds"] = time.monotonic() - learning

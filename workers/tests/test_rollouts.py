@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 from aiohttp import web
 
 from lockstep_workers import rollouts
@@ -33,6 +34,9 @@ class FakeActor:
 
     behaviour: str = "ok"
     version: int = 0
+    moe_layers: int = 0
+    """With MoE layers, each answer has the routed experts of its sequence, as vLLM gives them (prompt + completion
+    - 1 tokens, top-2): token n's are (n, n + 1) in every layer."""
     served: int = 0
     received: int = 0
     asked_ready: int = 0
@@ -53,9 +57,15 @@ class FakeActor:
             await asyncio.sleep(0.3)
         self.served += 1
         tokens = [body["prompt_token_ids"][-1] + 1] * body["sampling"]["max_tokens"]  # the last token's successor
-        return web.json_response(
-            {"token_ids": tokens, "logprobs": [-1.0] * len(tokens), "weights_versions": [self.version] * len(tokens)}
-        )
+        answer = {
+            "token_ids": tokens,
+            "logprobs": [-1.0] * len(tokens),
+            "weights_versions": [self.version] * len(tokens),
+        }
+        if self.moe_layers:
+            routed = len(body["prompt_token_ids"]) + len(tokens) - 1
+            answer["routed_experts"] = [[[n, n + 1]] * self.moe_layers for n in range(routed)]
+        return web.json_response(answer)
 
     async def ready(self, _: web.Request) -> web.Response:
         self.asked_ready += 1
@@ -332,9 +342,31 @@ def test_a_rollout_function_may_not_change_the_temperature_or_return_ragged_list
     asyncio.run(scenario())
 
 
+def test_an_moe_samples_routed_experts_travel_with_it_and_a_multi_turn_ones_are_its_last_turns() -> None:
+    async def scenario() -> None:
+        actor = await FakeActor(moe_layers=2).start()
+        single = await collect_rollouts(FixedActors([actor.url]), PROMPTS[:1], 1, SAMPLING)
+        turns = await collect_rollouts(FixedActors([actor.url]), PROMPTS[:1], 1, SAMPLING, function=two_turns)
+        dense = await FakeActor().start()
+        plain = await collect_rollouts(FixedActors([dense.url]), PROMPTS[:1], 1, SAMPLING)
+        await actor.stop()
+        await dense.stop()
+        for (rollout,) in (single, turns):
+            tokens = len(rollout.prompt) + len(rollout.completion) - 1  # the whole sequence but its last token
+            expected = torch.tensor([[[n, n + 1]] * 2 for n in range(tokens)], dtype=torch.int16)
+            assert rollout.routed_experts is not None and torch.equal(rollout.routed_experts, expected)
+        assert plain[0].routed_experts is None
+
+    asyncio.run(scenario())
+
+
 def test_versions_of_a_rollout_that_reorders_its_turns_err_on_the_old_side() -> None:
     turns = [Generation([5, 6], [-1.0, -1.0], [3, 4])]
     kept = episode_rollout(Episode([5, 6], [-1.0, -1.0], [True, True]), [1], 0, turns)
     assert kept.versions == [3, 4]
     reordered = episode_rollout(Episode([6, 5], [-1.0, -1.0], [True, True]), [1], 0, turns)
     assert reordered.versions == [3, 3], "tokens that are not the turns' in order: each gets the oldest version"
+    routed = [Generation([5, 6], [-1.0, -1.0], [3, 4], torch.zeros(2, 2, 2, dtype=torch.int16))]
+    assert episode_rollout(Episode([5, 6], [-1.0, -1.0], [True, True]), [1], 0, routed).routed_experts is not None
+    reordered = episode_rollout(Episode([6, 5], [-1.0, -1.0], [True, True]), [1], 0, routed)
+    assert reordered.routed_experts is None, "another sequence than the engine's: the trainer routes it itself"

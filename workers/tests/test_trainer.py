@@ -46,6 +46,7 @@ from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
 from lockstep_workers.objective import Statistics
 from lockstep_workers.rewards import target_words
 from lockstep_workers.rollouts import Rows
+from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.scoring import load_callable
 from lockstep_workers.shaping import masked_if_cut
 from lockstep_workers.tiny_model import create_tiny_llama
@@ -511,12 +512,15 @@ def test_experts_are_published_under_their_checkpoint_names_and_resume_in_the_mo
 
 class ScriptedActors:
     """Actors whose completions depend on the prompt alone (the same batch for the same step, whatever the weights),
-    that serve every version at once and report no busy time. The ``hold``th request (from 1) is never answered."""
+    that serve every version at once and report no busy time. The ``hold``th request (from 1) is never answered.
+    With ``moe_layers``, each sample has routed experts as vLLM returns them (prompt + completion - 1 tokens, top-2
+    of 4 experts in each layer), drawn from the prompt too."""
 
-    def __init__(self, length: int = 6, vocabulary: int = 256, hold: int | None = None) -> None:
+    def __init__(self, length: int = 6, vocabulary: int = 256, hold: int | None = None, moe_layers: int = 0) -> None:
         self.length = length
         self.vocabulary = vocabulary
         self.hold = hold
+        self.moe_layers = moe_layers
         self.requests = 0
 
     def wait_until_ready(self) -> None:
@@ -543,6 +547,10 @@ class ScriptedActors:
             for _ in range(group):
                 completion = [words.randrange(3, self.vocabulary) for _ in range(self.length)]
                 rollouts.append(Rollout(list(prompt), completion, [-5.5] * self.length, index))
+                if self.moe_layers:
+                    tokens = len(prompt) + self.length - 1
+                    routed = [[words.sample(range(4), 2) for _ in range(self.moe_layers)] for _ in range(tokens)]
+                    rollouts[-1] = replace(rollouts[-1], routed_experts=torch.tensor(routed, dtype=torch.int16))
         return rollouts
 
 
@@ -601,6 +609,7 @@ def _rank(
     gradients: str | None = None,
     hold: int | None = None,
     config: PodConfig | None = None,
+    moe_layers: int = 0,
 ) -> None:
     from lockstep_workers.pod import PodEnvironment
     from lockstep_workers.trainer import train
@@ -610,7 +619,7 @@ def _rank(
     if gradients is not None:
         _record_first_gradients(Path(gradients))
     env = PodEnvironment(rank, world, ["scripted"], Path(shared), config, None, None, 0)
-    train(model, settings, env, ScriptedActors(vocabulary=vocabulary, hold=hold))
+    train(model, settings, env, ScriptedActors(vocabulary=vocabulary, hold=hold, moe_layers=moe_layers))
 
 
 def run_trainer(
@@ -622,17 +631,19 @@ def run_trainer(
     vocabulary: int = 256,
     gradients: Path | None = None,
     output: Output | None = None,
+    routing_replay: bool = False,
 ) -> list[dict[str, Any]]:
     """``steps`` steps (counted from where the job's directory ``shared`` left off) on ``world`` ranks; every
     step's record so far. ``gradients``: where rank 0 writes its first optimizer step's gradient fingerprint;
-    ``output``: spec.output (in a PodConfig of the policy's defaults, which compute as no PodConfig does)."""
+    ``output``: spec.output and ``routing_replay`` (of a model with 2 MoE layers, the actors returning routed
+    experts), in a PodConfig of the policy's defaults, which compute as no PodConfig does."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     settings = settings.model_copy(update={"steps": steps})
     recorded = str(gradients) if gradients is not None else None
     config = None
-    if output is not None:
+    if output is not None or routing_replay:
         config = PodConfig(
             fingerprint="test",
             policy="default",
@@ -641,10 +652,12 @@ def run_trainer(
             trainer=TrainerNumerics(),
             weight_update=WeightUpdateSemantics(),
             mismatch_budget=MismatchBudget(),
+            routing_replay=routing_replay,
             training=settings,
             output=output,
         )
-    spawned = (world, port, str(model), str(shared), settings, vocabulary, recorded, None, config)
+    moe_layers = 2 if routing_replay else 0
+    spawned = (world, port, str(model), str(shared), settings, vocabulary, recorded, None, config, moe_layers)
     mp.spawn(_rank, args=spawned, nprocs=world)
     return [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
 
@@ -702,6 +715,30 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
     assert_trained_alike(published(tmp_path / "two", 3), published(tmp_path / "one", 3), tmp_path / "one")
     assert any(not torch.equal(t, published(tmp_path / "one", 1)[n]) for n, t in published(tmp_path / "one", 3).items())
+
+
+def test_two_ranks_train_a_mixture_of_experts_as_one_does(tmp_path: Path) -> None:
+    """The same on a tiny MoE (tiny_models' qwen3-moe: 4 experts, top-2, fused 3-D expert weights sharded with their
+    decoder layer), replaying the actors' routings: the same losses and gradient norms, the same routing metrics, the
+    same weights, every expert's trained; tokens dropped is null (this family drops none). Without replay (and
+    without engine routings) the losses differ, and the mismatch is null."""
+    model = create_tiny_model(family("qwen3-moe"), tmp_path / "model")
+    one = run_trainer(1, model, tmp_path / "one", steps=2, routing_replay=True)
+    two = run_trainer(2, model, tmp_path / "two", steps=2, routing_replay=True)
+    for mine, theirs in zip(two, one, strict=True):
+        for name in ("loss", "reward", "kl_new_old", "entropy", "grad_norm", EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+        assert mine[TOKENS_DROPPED] is None
+        assert 0.5 < mine[ROUTING_MISMATCH] < 1  # random routings: a top-2 set of 4 is the own one 1 time in 6
+    unreplayed = run_trainer(1, model, tmp_path / "own", steps=1)
+    assert unreplayed[0][ROUTING_MISMATCH] is None and unreplayed[0][TOKENS_DROPPED] is None
+    assert unreplayed[0]["loss"] != pytest.approx(one[0]["loss"], rel=1e-4)
+    assert_trained_alike(published(tmp_path / "two", 2), published(tmp_path / "one", 2), tmp_path / "one")
+    start, trained = published(tmp_path / "one", 1), published(tmp_path / "two", 2)
+    experts = [name for name in trained if ".mlp.experts." in name or ".mlp.gate." in name]
+    assert len(experts) == 2 * (4 * 3 + 1)  # per layer, each expert's gate, up and down projections, and the router
+    for name in experts:
+        assert not torch.equal(trained[name], start[name]), f"{name} did not train in step 2"
 
 
 def test_a_failed_background_publish_stops_the_trainer_with_its_error(tmp_path: Path) -> None:
