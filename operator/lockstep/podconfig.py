@@ -51,15 +51,11 @@ class PodConfig(Model):
     routing_replay: bool = Field(
         False,
         description="whether the actors return the experts each token was routed to (spec.actors.routingReplay, or "
-        "the policy's Required), with each sample, for the trainer to replay; vllm then has prefix caching on",
+        "the policy's Required), with each sample, for the trainer to replay in its MoE layers "
+        "(lockstep_workers.routing); vllm then has prefix caching on",
     )
     mismatch_budget: MismatchBudget = Field(
         description="the policy's budget; not part of the fingerprint: changing it changes no pod"
-    )
-    routing_replay: bool = Field(
-        False,
-        description="whether the trainer replays the rollout engine's routed experts in its MoE layers (routing "
-        "replay, R3; lockstep_workers.routing)",
     )
     training: Training = Field(description="spec.trainer's training fields: what the trainer runs")
     output: Output | None = Field(None, description="spec.output: where the trainer writes the trained model")
