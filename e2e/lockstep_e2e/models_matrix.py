@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.api import LoraSettings, WeightSyncBackend
 from lockstep.protocol import TransferGroup, Weights
-from lockstep_workers.architectures import REFUSED
+from lockstep_workers.architectures import REFUSED, UnsupportedArchitecture, moe_engine_args, vllm_has_triton
 from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model, family
 
 if TYPE_CHECKING:
@@ -64,6 +64,9 @@ THRESHOLD = 1e-4
 DOCS_BEGIN = "<!-- models-matrix: begin generated table -->"
 DOCS_END = "<!-- models-matrix: end generated table -->"
 NOT_RUN = "not run"
+REFUSED_HERE = "refused on this vLLM build"
+"""A check of what the actor refuses to start on with this vLLM build (architectures.moe_engine_args: LoRA on a
+mixture of experts without Triton), with why: not a failure."""
 
 
 @dataclasses.dataclass
@@ -117,7 +120,7 @@ class FamilyResult:
             value = getattr(self, name)
             if isinstance(value, Comparison) and not value.passed:
                 failed.append(f"{name}: mean |Δlogprob| {value.mean_abs_diff:.2e} > {THRESHOLD:g}")
-            elif isinstance(value, str):
+            elif isinstance(value, str) and not value.startswith(REFUSED_HERE):
                 failed.append(f"{name}: {value}")
         for name in ("filesystem_load_check", "gloo_load_check"):
             value = getattr(self, name)
@@ -318,6 +321,12 @@ async def lora_check(result: FamilyResult, model_dir: Path, workdir: Path, start
     except Exception as error:
         result.lora_modules = _error(error)
         result.lora = f"{NOT_RUN}: the target modules did not resolve"
+        return
+    try:
+        moe_engine_args(str(model_dir), lora=True, routing_replay=False, has_triton=vllm_has_triton())
+    except UnsupportedArchitecture as refusal:
+        result.lora = f"{REFUSED_HERE}: vLLM's LoRA kernels for experts need Triton, which it lacks"
+        _progress(result.family, started, f"LoRA adapter: the actor refuses it here: {refusal}")
         return
     engine = LoraEngine(settings, max_lag=1)
     llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(cpu_vllm_settings()), lora=engine))
