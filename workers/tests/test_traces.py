@@ -18,6 +18,7 @@ from lockstep.api import Training
 from lockstep_workers import traces
 from lockstep_workers.pod import PodEnvironment
 from lockstep_workers.trainer import _publish_and_announce
+from lockstep_workers.weights import StreamedPublish
 
 SECOND = 10**9
 STARTED = 1_800_000_000.0
@@ -33,6 +34,14 @@ METRICS = {
     "kl_new_old": 0.0,
     "ess": 1.0,
 }
+
+
+def written(env: PodEnvironment, version: int, whole: dict[str, torch.Tensor]) -> StreamedPublish:
+    """``whole`` handed over to a publish of ``version``, as the trainer's thread hands over its layers."""
+    writing = StreamedPublish(whole, env.weights_dir, version, keep=3)
+    writing.put(whole)
+    writing.close()
+    return writing
 
 
 def in_memory() -> tuple[Tracer, InMemorySpanExporter]:
@@ -98,7 +107,7 @@ def test_the_trainers_publish_emits_the_steps_trace_and_nothing_without_a_tracer
     tracer, exporter = in_memory()
     started = time.time() - 6.0  # the step handed its publish over just now
     starts = {"sampling_wait": started, "learn": started + 2, "gather": started + 5}
-    _publish_and_announce(env, settings, 1, whole, None, METRICS, 6.0, 1.0, trace=(tracer, started, starts))
+    _publish_and_announce(env, settings, 1, written(env, 1, whole), METRICS, 6.0, 1.0, trace=(tracer, started, starts))
     spans = by_name(exporter)
     assert set(spans) == {"lockstep.step", *(f"lockstep.step.{part}" for part in traces.STEP_PARTS)}
     publish = spans["lockstep.step.publish"]
@@ -106,5 +115,5 @@ def test_the_trainers_publish_emits_the_steps_trace_and_nothing_without_a_tracer
     recorded = json.loads(env.metrics_file.read_text().splitlines()[-1])  # the publish's own time
     assert publish.end_time == publish.start_time + round(recorded["publish_seconds"] * SECOND)
 
-    _publish_and_announce(env, settings, 2, whole, None, METRICS, 6.0, 1.0)
+    _publish_and_announce(env, settings, 2, written(env, 2, whole), METRICS, 6.0, 1.0)
     assert len(exporter.get_finished_spans()) == len(spans)
