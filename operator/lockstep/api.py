@@ -149,8 +149,10 @@ class BudgetAction(StrEnum):
 
 
 class BudgetMetric(StrEnum):
-    """The step metrics a mismatch budget may name (docs/corrections.md): the trainer announces them every step in
-    lockstep.dev/mismatch, and the operator shows them in status.mismatch.metrics."""
+    """The step metrics a mismatch budget may name (docs/corrections.md): the trainer announces those it measured
+    with each step's lockstep.dev/mismatch, and the operator shows them in status.mismatch.metrics. One a step did
+    not measure (routing_mismatch without engine routings, the MoE ones of a dense model) is not announced, and its
+    limit is neither met nor exceeded: ParityDegraded says it was not measured."""
 
     ESS = "ess"
     ROLLOUT_IS_EFF_SAMPLE_SIZE = "rollout_is_eff_sample_size"
@@ -173,6 +175,8 @@ class BudgetMetric(StrEnum):
     CLAMP_LOG_RATIO_NEW_OLD_INDICATOR = "clamp_log_ratio_new_old_indicator"
     OUTSIDE_TOP_P_FRACTION = "outside_top_p_fraction"
     ZERO_ADVANTAGE_GROUP_FRACTION = "zero_advantage_group_fraction"
+    ROUTING_MISMATCH = "routing_mismatch"
+    EXPERT_LOAD_IMBALANCE = "expert_load_imbalance"
 
 
 METRIC_LIMIT_RULE = cel(
@@ -214,7 +218,8 @@ class MismatchBudget(Model):
         default_factory=list,
         max_length=32,
         description="More limits, on the step metrics the trainer announces (ESS, k3_kl, the masked fraction, "
-        "...): each trainer step is held to every one, as to meanAbsLogprobDiff.",
+        "an MoE model's routing_mismatch, ...): each trainer step is held to every one, as to meanAbsLogprobDiff; "
+        "a limit whose metric the step did not measure is not held (ParityDegraded names it as not measured).",
     )
     on_exceeded: BudgetAction = Field(
         BudgetAction.WARN,

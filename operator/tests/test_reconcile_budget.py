@@ -87,7 +87,7 @@ def test_a_limit_on_a_named_metric_degrades_parity_and_pauses_as_the_mean_does()
 def test_the_budget_holds_each_limit_in_its_direction() -> None:
     from lockstep.api import MismatchBudget
     from lockstep.protocol import Mismatch
-    from lockstep.reconcile.budget import breaches
+    from lockstep.reconcile.budget import breaches, unmeasured
 
     measured = Mismatch(step=1, mean_abs_logprob_diff=0.03, token_fraction=1.0, metrics={"k3_kl": -0.2, "ess": 0.9})
     budget = MismatchBudget.model_validate(
@@ -102,6 +102,40 @@ def test_the_budget_holds_each_limit_in_its_direction() -> None:
     )
     assert breaches(measured, budget) == ["meanAbsLogprobDiff 0.03 above 0.02", "k3_kl -0.2 below its min -0.1"]
     assert breaches(measured.model_copy(update={"mean_abs_logprob_diff": 0.01, "metrics": {"ess": 0.9}}), budget) == []
+    assert unmeasured(measured, budget) == ["chi2_seq"]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "degraded", "said"),
+    [
+        ({"routing_mismatch": 0.25, "expert_load_imbalance": 1.5}, ("True", "MismatchBudgetExceeded"), None),
+        ({"routing_mismatch": 0.05, "expert_load_imbalance": 1.5}, ("False", "WithinBudget"), None),
+        ({"expert_load_imbalance": 1.5}, ("False", "WithinBudget"), "routing_mismatch"),
+        ({}, ("False", "WithinBudget"), "routing_mismatch, expert_load_imbalance"),
+    ],
+    ids=["breached", "within", "unmeasured", "dense"],
+)
+def test_a_limit_on_an_moe_routing_metric_holds_when_measured_and_says_when_not(
+    metrics: dict[str, float], degraded: tuple[str, str], said: str | None
+) -> None:
+    """Issue 44 part 5: routing_mismatch (the MoE analogue of |Δlogprob|) and expert_load_imbalance can be held by
+    a budget; a step that measured none (no engine routings, a dense model) announces none, and its limit is neither
+    breached nor met: ParityDegraded says it was not measured."""
+    limits = [{"metric": "routing_mismatch", "max": 0.1}, {"metric": "expert_load_imbalance", "max": 2.0}]
+    body, pods = settle(job())
+    announce(pods[2], 4)
+    measured = {"protocol": PROTOCOL, "step": 4, "meanAbsLogprobDiff": 0.001, "tokenFraction": 1.0, "metrics": metrics}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(measured)
+
+    plan = plan_for(body, pods, policies=[policy(trainer={"mismatchBudget": {"limits": limits}})])
+    assert condition(plan, "ParityDegraded") == degraded
+    message = find(plan.status.conditions, "ParityDegraded").message  # type: ignore[union-attr]
+    assert plan.status.mismatch is not None and plan.status.mismatch.metrics == metrics
+    assert ("routing_mismatch 0.25 above its max 0.1" in message) == (degraded[0] == "True")
+    if said is None:
+        assert "not measured" not in message
+    else:
+        assert message.endswith(f"; not measured on step 4, so not held to their limits: {said}")
 
 
 def test_fail_ends_the_job_over_budget_naming_the_breach_and_closes_the_open_barrier() -> None:

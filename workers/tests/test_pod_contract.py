@@ -119,3 +119,25 @@ def test_a_step_that_measured_no_on_policy_token_says_none_never_zero(tmp_path: 
     [line] = env.metrics_file.read_text().splitlines()
     assert json.loads(line)[ONPOLICY_MISMATCH] is None
     assert math.isnan(GAUGES[ONPOLICY_MISMATCH]._value.get())
+
+
+def test_the_trainer_announces_the_routing_metrics_it_measured_and_never_an_unmeasured_one() -> None:
+    """Issue 44 part 5: an MoE step's routing_mismatch and expert_load_imbalance go with its mismatch report, which
+    the operator accepts, so a budget can hold them; a step without engine routings measured no routing_mismatch
+    (null in metrics.jsonl), and its report leaves it out rather than saying 0."""
+    from lockstep.protocol import Mismatch, read_document
+    from lockstep_workers.objective import Statistics
+    from lockstep_workers.pod import step_reports
+    from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH
+
+    onpolicy = {"onpolicy_tokens": 8.0, "onpolicy_abs_logprob_diff": 0.08, "tokens": 8.0, "spanning": 0.0}
+    load = {f"routing_load/0/{e}": t for e, t in enumerate([4.0, 2.0, 1.0, 1.0])}  # max 4 over mean 2: 2
+    compared = Statistics({**onpolicy, **load, "routing_mismatched": 2.0, "routing_compared": 16.0}, {"staleness": 0})
+    mismatch, _ = step_reports(5, compared.metrics())
+    assert mismatch is not None
+    assert (mismatch.metrics[ROUTING_MISMATCH], mismatch.metrics[EXPERT_LOAD_IMBALANCE]) == (0.125, 2.0)
+    assert read_document(document(mismatch), Mismatch) == mismatch, "the operator accepts it"
+
+    uncompared = Statistics({**onpolicy, **load, "routing_mismatched": 0.0, "routing_compared": 0.0}, {"staleness": 0})
+    mismatch, _ = step_reports(5, uncompared.metrics())
+    assert mismatch is not None and mismatch.metrics == {EXPERT_LOAD_IMBALANCE: 2.0}

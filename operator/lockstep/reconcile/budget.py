@@ -90,9 +90,11 @@ def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, 
         f"on {last.token_fraction:.0%} of its tokens; budget {budget.mean_abs_logprob_diff:.3g} "
         f"(ParityPolicy {config.policy!r})"
     )
+    absent = unmeasured(last, budget)
+    not_held = f"; not measured on step {last.step}, so not held to their limits: {', '.join(absent)}" if absent else ""
     exceeded = breaches(last, budget)
     if not exceeded:
-        run.condition(PARITY_DEGRADED, False, Reason.WITHIN_BUDGET, numbers)
+        run.condition(PARITY_DEGRADED, False, Reason.WITHIN_BUDGET, numbers + not_held)
         return Updates.ALLOWED
     advice = {
         BudgetAction.WARN: "",
@@ -101,7 +103,7 @@ def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, 
         BudgetAction.FAIL: "; the job fails (onExceeded: Fail): fix the configuration or the budget in the "
         "ParityPolicy and apply the job again",
     }[budget.on_exceeded]
-    message = f"over budget at {numbers}: {', '.join(exceeded)}{advice}"
+    message = f"over budget at {numbers}: {', '.join(exceeded)}{not_held}{advice}"
     run.condition(PARITY_DEGRADED, True, Reason.MISMATCH_BUDGET_EXCEEDED, message)
     if budget.on_exceeded is BudgetAction.FAIL:
         completion.finish_job(run, spec, Phase.FAILED, Reason.MISMATCH_BUDGET_EXCEEDED, message)
@@ -111,7 +113,7 @@ def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, 
 
 def breaches(measured: Mismatch, budget: MismatchBudget) -> list[str]:
     """What of ``budget`` the step ``measured`` exceeds, in words (none: within it): meanAbsLogprobDiff, then each
-    limit on a metric the trainer announced (a metric it did not announce is not held to its limit)."""
+    limit on a metric the trainer announced (a metric it did not announce is not held to its limit: ``unmeasured``)."""
     found = []
     if measured.mean_abs_logprob_diff > budget.mean_abs_logprob_diff:
         found.append(
@@ -126,3 +128,12 @@ def breaches(measured: Mismatch, budget: MismatchBudget) -> list[str]:
         if limit.max is not None and value > limit.max:
             found.append(f"{limit.metric.value} {value:.3g} above its max {limit.max:.3g}")
     return found
+
+
+def unmeasured(measured: Mismatch, budget: MismatchBudget) -> list[str]:
+    """The metrics ``budget`` limits that the step ``measured`` did not announce, in the limits' order: it measured
+    nothing for them (routing_mismatch without engine routings, an MoE metric of a dense model), so their limits are
+    neither met nor exceeded."""
+    return list(
+        dict.fromkeys(limit.metric.value for limit in budget.limits if limit.metric.value not in measured.metrics)
+    )
