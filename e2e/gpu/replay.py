@@ -69,12 +69,6 @@ def tiny_moe(directory: Path, dense_layer: int | None, dtype: str) -> Path:
     return create_tiny_model(moe, directory, dtype=dtype)
 
 
-def moe_layers(causal_lm: torch.nn.Module) -> list[int]:
-    """The decoder-layer indices of ``causal_lm``'s MoE layers, in the order of ``routing.routers``."""
-    names = [name for name, module in causal_lm.named_modules() if type(module).__name__ in routing.ROUTERS]
-    return [int(name.split("layers.")[1].split(".")[0]) for name in names]
-
-
 def layer_axis(engine_layers: int, layers: int, moe: Sequence[int]) -> str:
     """What the layer axis of vLLM's routed experts ([tokens, ``engine_layers``, top_k]) counts, on a model of
     ``layers`` decoder layers whose MoE layers are ``moe``: ALL_LAYERS, MOE_LAYERS, or EVERY_LAYER_MOE where the
@@ -89,11 +83,6 @@ def layer_axis(engine_layers: int, layers: int, moe: Sequence[int]) -> str:
         f"vLLM's routed experts have {engine_layers} layers; the model has {layers} layers, {len(moe)} of them MoE "
         "layers: the layer axis is neither"
     )
-
-
-def on_moe_layers(experts: torch.Tensor, axis: str, moe: Sequence[int]) -> torch.Tensor:
-    """``experts`` ([tokens, layers, top_k] along ``axis``) on the MoE layers only, as routing.routed replays them."""
-    return experts[:, list(moe)] if axis == ALL_LAYERS else experts
 
 
 def shapes(
@@ -202,12 +191,17 @@ def main() -> None:
         sys.exit(
             f"routing replay's engine check failed: {missing} of {len(samples)} samples came without routed experts"
         )
-    moe = moe_layers(causal_lm)
+    moe = routing.moe_layers(causal_lm)
     experts = [(prompt, out["token_ids"], torch.tensor(out["routed_experts"])) for prompt, out in samples]
     seen = shapes(experts, causal_lm.config.num_hidden_layers, moe)
-    axis = seen["layer_axis"]
     rollouts = [
-        Rollout(prompt, completion, out["logprobs"], n // options.group, routed_experts=on_moe_layers(e, axis, moe))
+        Rollout(
+            prompt,
+            completion,
+            out["logprobs"],
+            n // options.group,
+            routed_experts=routing.over_moe_layers(e, causal_lm),
+        )
         for n, ((prompt, completion, e), (_, out)) in enumerate(zip(experts, samples, strict=True))
     ]
     import vllm

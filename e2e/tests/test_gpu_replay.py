@@ -36,10 +36,8 @@ def test_the_layer_axis_of_the_engines_routed_experts_is_told_from_the_models_la
         "moe_layers": [1],
         "layer_axis": replay.ALL_LAYERS,
     }
-    assert torch.equal(replay.on_moe_layers(experts, replay.ALL_LAYERS, [1]), experts[:, [1]])
     only_moe = experts[:, 1:]
     assert replay.shapes([(sample[0], sample[1], only_moe)], 2, [1])["layer_axis"] == replay.MOE_LAYERS
-    assert torch.equal(replay.on_moe_layers(only_moe, replay.MOE_LAYERS, [1]), only_moe)
     assert replay.shapes([sample], 2, [0, 1])["layer_axis"] == replay.EVERY_LAYER_MOE
     with pytest.raises(ValueError, match="3 layers; the model has 2 layers, 1 of them MoE layers"):
         replay.layer_axis(3, 2, [1])
@@ -52,7 +50,7 @@ def test_the_report_tells_replayed_routings_from_the_trainers_own(tmp_path: Path
 
     causal_lm = AutoModelForCausalLM.from_pretrained(replay.tiny_moe(tmp_path, 0, "float32"), dtype=torch.float32)
     policy = Policy(causal_lm.eval(), fp32_head=True)
-    assert replay.moe_layers(causal_lm) == [1], "layer 0 is the dense one"
+    assert routing.moe_layers(causal_lm) == [1], "layer 0 is the dense one"
     words = random.Random(0)
     rollouts = [
         Rollout([words.randrange(3, 256) for _ in range(8)], [words.randrange(3, 256) for _ in range(6)], [], 0)
@@ -82,7 +80,7 @@ def test_the_report_tells_replayed_routings_from_the_trainers_own(tmp_path: Path
                 c,
                 logprobs[row, : len(c)].tolist(),
                 row,
-                routed_experts=replay.on_moe_layers(e, seen["layer_axis"], [1]),
+                routed_experts=routing.over_moe_layers(e, causal_lm),
             )
             for row, (p, c, e) in enumerate(engine)
         ]

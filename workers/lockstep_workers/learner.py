@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -390,6 +390,13 @@ def learn(
     everything = list(range(len(rollouts)))
     widest = max(len(r.completion) for r in rollouts)
     moe = routing.routers(policy.causal_lm)
+    if moe:  # the engine's routings over the MoE layers, however vLLM lays them out
+        rollouts = [
+            r
+            if r.routed_experts is None
+            else replace(r, routed_experts=routing.over_moe_layers(r.routed_experts, policy.causal_lm))
+            for r in rollouts
+        ]
     aux_coefficient = objective.router_aux_loss_coefficient if moe else 0.0
     passes = []
     routed: dict[str, float] = {}

@@ -65,6 +65,25 @@ def routers(causal_lm: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in causal_lm.modules() if type(module).__name__ in ROUTERS]
 
 
+def over_moe_layers(routing: torch.Tensor, causal_lm: torch.nn.Module) -> torch.Tensor:
+    """An engine routing ([tokens, layers, top_k]) over ``causal_lm``'s MoE layers alone, as ``routed`` takes it.
+    vLLM may lay its routed experts out over every decoder layer (its RoutedExpertsCapturer sizes that axis by the
+    model's layers and leaves a dense layer's rows 0: read in vLLM 0.32's source, not yet seen on a GPU;
+    e2e/gpu/replay.py reports which): on a model with dense layers among its MoE ones those rows are dropped. Any
+    other layout is returned as it is (``routed`` refuses one that does not fit)."""
+    layers = moe_layers(causal_lm)
+    decoder_layers = getattr(getattr(causal_lm, "config", None), "num_hidden_layers", None)
+    if routing.shape[1] == decoder_layers != len(layers):
+        return routing[:, layers]
+    return routing
+
+
+def moe_layers(causal_lm: torch.nn.Module) -> list[int]:
+    """The decoder-layer number of each of ``causal_lm``'s MoE layers, in ``routers``' order."""
+    names = [name for name, module in causal_lm.named_modules() if type(module).__name__ in ROUTERS]
+    return [int(name.split("layers.")[1].split(".")[0]) for name in names]
+
+
 @dataclass
 class Routed:
     """What the MoE layers did in the forward passes within one ``routed``, by MoE layer: ``own``, each token's
