@@ -32,7 +32,7 @@ from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods
 from lockstep_e2e.podrunner import JobPods
 from lockstep_e2e.rl import EVAL, RunResult, run_tiny_rl_job
 from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
-from lockstep_workers import export, text_task, tracking
+from lockstep_workers import export, sharding, text_task, tracking
 from lockstep_workers.rewards import math_exact_match
 from lockstep_workers.tiny_models import create_tiny_model, family
 from lockstep_workers.weights import publish, weights_directory
@@ -44,6 +44,15 @@ STEPS = 16
 FP32_MISMATCH = 1e-4
 """The most mean |Δlogprob| a tiny job shows on on-policy tokens: fp32 on both sides leaves kernel numerics only
 (about 1e-7 here), far under the default budget, which is sized for bf16 (docs/parity.md)."""
+
+
+def assert_routing_measured(result: RunResult) -> None:
+    """A mixture of experts' steps measured their routing: the experts' load, and no engine routings (this CPU build
+    returns none), so no routing mismatch and nothing dropped rather than zeros."""
+    routing = [(r["expert_load_imbalance"], r["routing_mismatch"], r["tokens_dropped"]) for r in result.steps]
+    assert routing and all(
+        balance >= 1 and mismatch is None and dropped is None for balance, mismatch, dropped in routing
+    )
 
 
 def assert_no_actor_resumed_a_version_before_all_loaded_it(result: RunResult, only: set[int] | None = None) -> None:
@@ -227,40 +236,15 @@ def test_an_rl_job_whose_actor_is_a_group_of_two_pods_updates_every_rank_of_its_
     assert worst_onpolicy_mismatch(result) < FP32_MISMATCH
 
 
-@pytest.mark.parametrize(
-    ("name", "backend"), [("qwen3-moe", "filesystem"), ("mixtral", "gloo")], ids=["qwen3-moe-files", "mixtral-gloo"]
-)
-def test_an_rl_job_on_a_mixture_of_experts_stays_on_policy_across_in_flight_updates(
-    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path, name: str, backend: str
-) -> None:
-    """Issue 44: a tiny mixture of experts trained by two FSDP2 ranks, its experts published under their
-    checkpoint's names and carried to the actor in flight, by file or over gloo; the actor's load check compares
-    every expert. A version whose experts the engine did not repack would put the sampled tokens tenths of a nat off
-    the trainer's logprobs; on-policy they agree to fp32 precision."""
-    model = create_tiny_model(family(name), tmp_path / "model")
-    sync = {"weightSync": {"backend": "gloo"}} if backend == "gloo" else {}  # else the job's volume (tiny_rl_job)
-    result = run_tiny_rl_job(cluster, kube, namespace, tmp_path, steps=3, actors=1, trainers=2, model=model, **sync)
-    assert result.job["status"]["phase"] == "Succeeded", result.job["status"]
-    updates = result.updates["tiny-actor-0"]
-    assert [u["version"] for u in updates] == [1, 2, 3]
-    if backend == "filesystem":  # the load check's report, per version: every published tensor compared
-        log = (tmp_path / "pods" / "tiny-actor-0.log").read_text()
-        checked = re.findall(r"weights version (\d+) loaded and checked in every vLLM worker: \[(.*)\]", log)
-        assert {int(version) for version, _ in checked} >= {1, 2, 3}, log[-2000:]
-        assert all("'unchecked': []" in report for _, report in checked), checked
-    assert worst_onpolicy_mismatch(result) < FP32_MISMATCH
-    routing = [(r["expert_load_imbalance"], r["routing_mismatch"], r["tokens_dropped"]) for r in result.steps]
-    assert all(balance >= 1 and mismatch is None and dropped is None for balance, mismatch, dropped in routing), (
-        "the routing is measured every step; this CPU build returns no engine routings, so their mismatch is none"
-    )
-
-
 def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retried(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
 ) -> None:
     """The sender is SIGKILLed in the Update phase of a weight update, as it sends: the update is retried in a
     new group once its replacement, which resumes from the newest version on spec.weightSync.volume, is up;
-    it sends every later version."""
+    it sends every later version. The model is a tiny mixture of experts (Mixtral, issue 44): its experts go over
+    gloo under their checkpoint's names into an engine that repacks them on every update, and the replacement reads
+    them back into transformers' fused layout; the tokens stay on-policy to fp32 precision throughout, which experts
+    left stale or mis-packed would break by tenths of a nat."""
     killed: dict[str, int] = {}
     started: list[bool] = []
 
@@ -287,6 +271,7 @@ def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retrie
         actors=1,
         trainers=1,
         watch=watch,
+        model=create_tiny_model(family("mixtral"), tmp_path / "model"),
         weightSync={"backend": "gloo", "volume": volume},
     )
     status = result.job["status"]
@@ -301,6 +286,7 @@ def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retrie
     print(f"killed at v{killed['at']}; resumed from v{resumed}; {len(retried)} transfer(s) retried")
     assert len(resumed) == 1 and int(resumed[0]) >= killed["at"], resumed
     assert worst_onpolicy_mismatch(result) <= FP32_MISMATCH
+    assert_routing_measured(result)
 
 
 RUNNING_REQUESTS = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.MULTILINE)
@@ -513,16 +499,30 @@ def test_a_trainer_resumes_weights_it_published_but_the_operator_never_read_and_
 ) -> None:
     """The job's directory already holds versions 1 and 2, as a trainer leaves it when its pod is replaced between
     publishing and the operator reading the announcement. The new trainer resumes from version 2 and, since its
-    step 3 waits for actors on version 1 or newer (maxLag 1), it must announce version 2 for an update to open."""
+    step 3 waits for actors on version 1 or newer (maxLag 1), it must announce version 2 for an update to open.
+    The model is a tiny mixture of experts (Qwen3-MoE, issue 44), published as the trainer publishes it: its experts
+    under their checkpoint's names, which the new trainer reads back into transformers' fused layout and each actor
+    loads in flight, checking every expert; the tokens stay on-policy to fp32 precision."""
     published: list[int] = []
+    model = create_tiny_model(family("qwen3-moe"), tmp_path / "model")
 
     def publish_versions(job: dict[str, Any]) -> None:
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+        causal_lm = AutoModelForCausalLM.from_pretrained(model)
         directory = weights_directory(tmp_path / "shared" / job["metadata"]["uid"])
-        published.extend(publish(model.state_dict(), directory, version).version for version in (1, 2))
+        whole = sharding.full_state_dict(causal_lm)
+        published.extend(publish(whole, directory, version).version for version in (1, 2))
 
     result = run_tiny_rl_job(
-        cluster, kube, namespace, tmp_path, steps=5, actors=1, trainers=1, timeout=480, before_start=publish_versions
+        cluster,
+        kube,
+        namespace,
+        tmp_path,
+        steps=5,
+        actors=1,
+        trainers=1,
+        timeout=480,
+        model=model,
+        before_start=publish_versions,
     )
     status = result.job["status"]
     assert published == [1, 2]
@@ -532,6 +532,12 @@ def test_a_trainer_resumes_weights_it_published_but_the_operator_never_read_and_
     assert "announcing weights version 2 again" in log
     assert [r["step"] for r in result.steps] == [3, 4, 5]
     assert result.updates["tiny-actor-0"][0]["version"] == 2, "the actor's first update loaded version 2"
+    actor = (tmp_path / "pods" / "tiny-actor-0.log").read_text()
+    checked = re.findall(r"weights version (\d+) loaded and checked in every vLLM worker: \[(.*)\]", actor)
+    assert {int(version) for version, _ in checked} >= {2, 3, 4, 5}, actor[-2000:]
+    assert all("'unchecked': []" in report for _, report in checked), "every expert's tensors compared"
+    assert worst_onpolicy_mismatch(result) <= FP32_MISMATCH
+    assert_routing_measured(result)
 
 
 LORA = {

@@ -720,8 +720,8 @@ def test_two_ranks_train_as_one_does(tmp_path: Path) -> None:
 def test_two_ranks_train_a_mixture_of_experts_as_one_does(tmp_path: Path) -> None:
     """The same on a tiny MoE (tiny_models' qwen3-moe: 4 experts, top-2, fused 3-D expert weights sharded with their
     decoder layer), replaying the actors' routings: the same losses and gradient norms, the same routing metrics, the
-    same weights, every expert's trained; tokens dropped is null (this family drops none). Without replay (and
-    without engine routings) the losses differ, and the mismatch is null."""
+    same weights, every expert's trained; tokens dropped is null (this family drops none). (Without engine routings
+    the mismatch is null: the MoE jobs of e2e/tests/test_rl_job.py; replay's effect on the loss: test_routing.py.)"""
     model = create_tiny_model(family("qwen3-moe"), tmp_path / "model")
     one = run_trainer(1, model, tmp_path / "one", steps=2, routing_replay=True)
     two = run_trainer(2, model, tmp_path / "two", steps=2, routing_replay=True)
@@ -730,9 +730,6 @@ def test_two_ranks_train_a_mixture_of_experts_as_one_does(tmp_path: Path) -> Non
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), (mine["step"], name)
         assert mine[TOKENS_DROPPED] is None
         assert 0.5 < mine[ROUTING_MISMATCH] < 1  # random routings: a top-2 set of 4 is the own one 1 time in 6
-    unreplayed = run_trainer(1, model, tmp_path / "own", steps=1)
-    assert unreplayed[0][ROUTING_MISMATCH] is None and unreplayed[0][TOKENS_DROPPED] is None
-    assert unreplayed[0]["loss"] != pytest.approx(one[0]["loss"], rel=1e-4)
     assert_trained_alike(published(tmp_path / "two", 2), published(tmp_path / "one", 2), tmp_path / "one")
     start, trained = published(tmp_path / "one", 1), published(tmp_path / "two", 2)
     experts = [name for name in trained if ".mlp.experts." in name or ".mlp.gate." in name]
