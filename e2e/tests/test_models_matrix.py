@@ -7,12 +7,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from lockstep_e2e.models_matrix import (
     CELL,
     DOCS_BEGIN,
     DOCS_END,
     HEADER,
     NOT_RUN,
+    REFUSED_HERE,
     Comparison,
     FamilyResult,
     merged,
@@ -20,6 +23,7 @@ from lockstep_e2e.models_matrix import (
     table_row,
     write_docs,
 )
+from lockstep_workers.architectures import REFUSED
 
 CHECK = {"modules": 10, "parameters": 5, "unchecked": []}
 
@@ -75,7 +79,10 @@ def test_a_mismatch_a_failed_check_and_a_check_not_run_are_each_a_failure() -> N
     assert row[HEADER.index("s")] == NOT_RUN
 
 
-def test_a_failing_architecture_the_actor_refuses_says_so_and_a_long_error_is_cut_in_the_table() -> None:
+def test_a_failing_architecture_the_actor_refuses_says_so_and_a_long_error_is_cut_in_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(REFUSED, "MixtralForCausalLM", "its experts stay stale after an update")
     result = dataclasses.replace(verified(), architecture="MixtralForCausalLM", filesystem="failed: " + "x" * 500)
     row = table_row(result)
     assert row[-1] == "refused (filesystem)"
@@ -86,6 +93,14 @@ def test_a_failing_architecture_the_actor_refuses_says_so_and_a_long_error_is_cu
     assert table_row(dataclasses.replace(result, filesystem=result.pre_update))[-1] == (
         "verified but refused: take it out of architectures.REFUSED"
     )
+
+
+def test_a_check_the_actor_refuses_on_this_vllm_build_is_no_failure() -> None:
+    """LoRA on a mixture of experts without Triton: the actor refuses it at start, saying why (issue 44); the row
+    shows the refusal and the family stays verified. Any other word in that cell is a failure."""
+    refused_here = dataclasses.replace(verified(), lora=f"{REFUSED_HERE}: vLLM's LoRA kernels for experts need Triton")
+    assert refused_here.failures() == [] and table_row(refused_here)[-1] == "verified"
+    assert table_row(dataclasses.replace(refused_here, lora="failed: EngineDeadError"))[-1].startswith("FAILED")
 
 
 def test_the_json_record_reads_back_and_a_run_replaces_only_its_own_families(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
-"""Mixture-of-experts layers after an in-flight reload (issue 44), on tiny Qwen3-MoE and Mixtral
-(lockstep_workers.tiny_models), one engine per family: vLLM's own reload leaves the CPU build's experts in the wrong
+"""Mixture-of-experts layers after an in-flight reload (issue 44), on a tiny Qwen3-MoE (lockstep_workers.tiny_models;
+`make models-matrix` runs the reload and the load check on every MoE family, docs/models.md), one engine: vLLM's own
+reload leaves the CPU build's experts in the wrong
 layout, and the load check names the layer and the expert; the actor's reload (``lockstep_reload``, which prepares
 the experts first) serves the new version's logprobs with every published tensor checked; a stale expert is named.
 
 Each version is published as the trainer publishes it: transformers' ``save_pretrained`` (checkpoint names, one
-tensor per expert), and for Qwen3-MoE also the fused tensors transformers holds in memory."""
+tensor per expert), and also the fused tensors transformers holds in memory."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Engine:
         return directory if directory.exists() else create_tiny_model(family(self.family), directory, seed=seed)
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3-moe"])
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     from vllm import LLM
 
