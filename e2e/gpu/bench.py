@@ -1,4 +1,4 @@
-"""The trainer's step on this machine: ``learn`` on a model sharded with FSDP2 (lockstep_workers.sharding), on
+"""The trainer's step on this machine: ``learn`` on a model sharded with FSDP2 (lockstep_workers.trainer.sharding), on
 ``--ranks`` processes (NCCL on a GPU, gloo on CPUs), with synthetic rollouts. Prints one JSON line and writes it to
 ``--out``: tokens/s, peak accelerator memory, MFU, the fp32 head's logprob gap to an fp32 reference, and the
 backend and device of every collective the step and its metrics ran.
@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import spawn
 
 from lockstep.api import Objective, RolloutCorrection
-from lockstep_workers import sharding
-from lockstep_workers.learner import Policy, Rollout, across_ranks, learn, token_logprobs
+from lockstep_workers.trainer import sharding
+from lockstep_workers.trainer.learner import Policy, Rollout, across_ranks, learn, token_logprobs
 
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 """Dense bf16 peaks by GPU name (NVIDIA's data sheets, without sparsity)."""

@@ -3,7 +3,7 @@
 # installed. First, here: e2e/gpu/wheels.sh (the small dependencies as wheels, in out/gpu-wheels). Then, from the
 # repository root there (with the device tool: carry ["out/gpu-wheels"]): e2e/gpu/check.sh
 #
-# It runs the trainer's own code (lockstep_workers.learner.learn on a model sharded by lockstep_workers.sharding:
+# It runs the trainer's own code (lockstep_workers.trainer.learner.learn on a model sharded by lockstep_workers.trainer.sharding:
 # FSDP2 with 1 rank over NCCL, bf16 layers, fp32 master weights) on a random Llama of 0.44B parameters, a batch of
 # 16 sequences of 256 prompt and 768 completion tokens, with the fp32 lm_head and then the bf16 one, and reports
 # for each (one JSON line, also appended to $OUT/gpu-check.jsonl, or out/gpu/gpu-check.jsonl):

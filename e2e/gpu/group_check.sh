@@ -2,7 +2,7 @@
 # Issue 36's actor group on GPUs: the reload of a tensor-parallel engine of two ranks, one GPU each, checked on both
 # shards (workers/tests/test_tensor_parallel_load.py, as on the CPU, with vLLM on CUDA). Never run yet: it needs vLLM's
 # CUDA build and at least two GPUs, and the device machines lent so far have one GPU and no vLLM
-# (docs/actor-groups.md). The engine split over two pods (the leader's actor and lockstep_workers.headless) is tested
+# (docs/actor-groups.md). The engine split over two pods (the leader's actor and lockstep_workers.actor.headless) is tested
 # on the CPU by e2e/tests/test_rl_job.py's job of a group, which needs the local control plane: not here.
 #
 # From the repository root of a machine with lockstep[workers,dev] and vLLM installed: e2e/gpu/group_check.sh

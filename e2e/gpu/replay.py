@@ -3,8 +3,8 @@
 default policy's locked settings in fp32, with what routing replay adds: prefix caching, and from
 ``architectures.moe_engine_args`` enable_return_routed_experts), samples a few groups of completions through
 ``Actor.generate`` (processed logprobs, and each request's routed experts as the actor returns them); then the
-trainer's code (lockstep_workers.routing, ``learner.token_logprobs`` with the fp32 head) recomputes their logprobs
-without and with replaying the engine's routings. Prints one JSON line and appends it to ``--out``:
+trainer's code (lockstep_workers.trainer.routing, ``learner.token_logprobs`` with the fp32 head) recomputes their
+logprobs without and with replaying the engine's routings. Prints one JSON line and appends it to ``--out``:
 routing_mismatch (the fraction of (token, MoE layer) pairs where the trainer's own top-k set differs from the
 engine's, in its own forward; routing_mismatch_replaying: in the replaying forward, as ``learn`` measures it), the
 mean and max |Δlogprob| to the engine's without and with replay, the tokens compared, and the shapes vLLM returned:
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from lockstep_workers import routing
-from lockstep_workers.learner import Policy, Rollout, attention_mask, device_of, token_logprobs
 from lockstep_workers.tiny_models import VOCABULARY, create_tiny_model, family
+from lockstep_workers.trainer import routing
+from lockstep_workers.trainer.learner import Policy, Rollout, attention_mask, device_of, token_logprobs
 
 PROMPT_TOKENS = 40
 """Two full KV blocks of 16 and a part: the later samples of a group find them in the prefix cache, so their
@@ -145,8 +145,8 @@ async def sample(model: Path, dtype: str, prompts: int, group: int) -> list[tupl
 
     from lockstep.api import VllmSettings
     from lockstep.parity import REPLAY_VLLM, settings_dict
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
-    from lockstep_workers.architectures import moe_engine_args, vllm_has_triton
+    from lockstep_workers.actor.architectures import moe_engine_args, vllm_has_triton
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings
 
     settings = VllmSettings.model_validate(settings_dict(cpu_vllm_settings()) | REPLAY_VLLM | {"dtype": dtype})

@@ -13,7 +13,8 @@ from kubernetes import client
 
 from lockstep.protocol import TransferGroup, Weights
 from lockstep_e2e.install import pod_client
-from lockstep_workers.agent import AgentCore, PodAgent, Staged
+from lockstep_workers.agent.core import AgentCore, Staged
+from lockstep_workers.agent.pod_agent import PodAgent
 
 STEPS = ("stage", "pause", "swap", "resume")
 

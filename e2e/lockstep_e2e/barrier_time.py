@@ -140,8 +140,8 @@ def update_latencies(
     audit: list[dict[str, Any]], namespace: str, job: str, updates: dict[str, list[dict[str, Any]]]
 ) -> list[float]:
     """For each version every actor resumed on, the seconds from the trainer announcing it (its nth write on trainer
-    rank 0's pod announces version n: ``lockstep_workers.pod.announce``, once a step) to the last actor resuming:
-    what a serial loop waits for before it can sample with the new weights."""
+    rank 0's pod announces version n: ``lockstep_workers.trainer.pod.announce``, once a step) to the last actor
+    resuming: what a serial loop waits for before it can sample with the new weights."""
     announced = sorted(
         _seconds(event["stageTimestamp"])
         for event in audit

@@ -6,7 +6,7 @@ out/benchmarks/pipeline.json).
 
 With stubs (the default):
 
-- the actor: the real actor's HTTP API (lockstep_workers.actor.application: /generate, /ready, /metrics with its
+- the actor: the real actor's HTTP API (lockstep_workers.actor.server.application: /generate, /ready, /metrics with its
   busy-seconds counter) over an ``Actor`` whose generation emits ``max_tokens`` tokens at a fixed rate, each
   tagged with the version it serves at that moment; it serves a new version the moment the learner publishes;
 - the learner: takes ``learn-seconds`` a step, then publishes the next version;
@@ -47,13 +47,13 @@ from lockstep_e2e.benchmarks import write_results
 from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
 from lockstep_e2e.rl import StepTime, merged, run_tiny_rl_job, step_time, update_seconds
-from lockstep_workers.actor import Actor, application
-from lockstep_workers.dataset import Prompt
-from lockstep_workers.learner import Rollout
-from lockstep_workers.pipeline import RolloutProducer, Schedule
-from lockstep_workers.rollouts import ActorService, FixedActors
-from lockstep_workers.scoring import Scores
-from lockstep_workers.vllm_args import AppliedSettings
+from lockstep_workers.actor.server import Actor, application
+from lockstep_workers.actor.vllm_args import AppliedSettings
+from lockstep_workers.rollout.client import ActorService, FixedActors
+from lockstep_workers.rollout.dataset import Prompt
+from lockstep_workers.rollout.producer import RolloutProducer, Schedule
+from lockstep_workers.rollout.scoring import Scores
+from lockstep_workers.trainer.learner import Rollout
 
 PROMPTS_PER_STEP = 4
 SAMPLES_PER_PROMPT = 4

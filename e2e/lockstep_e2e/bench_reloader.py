@@ -7,16 +7,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from lockstep_workers.load_check import check_loaded, retie, tied_groups
-from lockstep_workers.vllm_extension import WeightReloader
-from lockstep_workers.weights import tensors
+from lockstep_workers.actor.load_check import check_loaded, retie, tied_groups
+from lockstep_workers.actor.vllm_extension import WeightReloader
+from lockstep_workers.weights.files import tensors
 
 
 class TimedReloader(WeightReloader):
     def lockstep_timed_reload(self, path: str) -> dict[str, float]:
         """Reload the weights at ``path`` as ``lockstep_reload`` does, in three timed parts: copying them into
         tensors of this worker's own (``read``), vLLM's reload from those tensors (``reload``), then the re-tie and
-        the load check (``check``, lockstep_workers.load_check)."""
+        the load check (``check``, lockstep_workers.actor.load_check)."""
         model = self.model_runner.get_model()
         tied = tied_groups(model)
         started = time.monotonic()

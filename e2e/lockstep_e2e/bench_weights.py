@@ -79,13 +79,12 @@ from lockstep.protocol import BarrierPhase, Command, TransferGroup, Weights
 from lockstep_e2e.benchmarks import write_results
 from lockstep_e2e.cluster import free_port
 from lockstep_e2e.install import REPO
-from lockstep_workers import lora
-from lockstep_workers.actor import Actor, LoopEngine, applied_settings, engine_args
-from lockstep_workers.adapters import LoraEngine
-from lockstep_workers.agent import AgentCore, Staged
+from lockstep_workers.actor.adapters import LoraEngine
+from lockstep_workers.actor.server import Actor, LoopEngine, applied_settings, engine_args
+from lockstep_workers.agent.core import AgentCore, Staged
 from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
-from lockstep_workers.transfer import ManifestServer, Sender, TrainerManifests, manifest_uri
-from lockstep_workers.weights import (
+from lockstep_workers.weights import lora
+from lockstep_workers.weights.files import (
     Publisher,
     StreamedPublish,
     WeightsDirectory,
@@ -94,6 +93,7 @@ from lockstep_workers.weights import (
     publish,
     version_path,
 )
+from lockstep_workers.weights.transfer import ManifestServer, Sender, TrainerManifests, manifest_uri
 
 VOCABULARY = 16384
 
@@ -457,7 +457,8 @@ class ActorResult:
     vllm_reload_from_memory_s: float
     """vLLM's reload_weights from tensors its worker already held, paused."""
     load_check_s: float
-    """The re-tie and the load check after that reload (lockstep_workers.load_check), which every swap includes."""
+    """The re-tie and the load check after that reload (lockstep_workers.actor.load_check), which every swap
+    includes."""
     before: UpdateTimes
     """Staged inside the pause (the agent before issue 22's staging)."""
     after: UpdateTimes
@@ -827,8 +828,9 @@ def _learn_once(model_dir: str, with_lora: bool, results: Any) -> None:
 
     import torch.distributed as dist
 
-    from lockstep_workers import sharding, trainer
-    from lockstep_workers.learner import Rollout, learn
+    from lockstep_workers.trainer import loop as trainer
+    from lockstep_workers.trainer import sharding
+    from lockstep_workers.trainer.learner import Rollout, learn
 
     device = torch.device("cpu")
     mesh = sharding.start(0, 1, device)
@@ -941,7 +943,7 @@ def _publish_once(gigabytes: float, streamed: bool, scratch: str, results: Any) 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers import sharding
+    from lockstep_workers.trainer import sharding
 
     mesh = sharding.start(0, 1, torch.device("cpu"))
     causal_lm = AutoModelForCausalLM.from_config(moe_config(gigabytes), dtype=torch.float32)

@@ -3,7 +3,7 @@
 loopback, as lockstep_e2e.kueue does for Kueue.
 
 Its pod webhooks matter here: they give each pod of a group its labels and its ``LWS_*`` environment (the leader's
-address, the worker's index), which the actor and the headless workers read (lockstep_workers.group). As in the
+address, the worker's index), which the actor and the headless workers read (lockstep_workers.actor.group). As in the
 module's kustomization, they see only pods labelled ``leaderworkerset.sigs.k8s.io/name``. The CRD serves one version,
 so the conversion webhook that the module's kustomization adds is left out.
 """

@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.api import LoraSettings, WeightSyncBackend
 from lockstep.protocol import TransferGroup, Weights
-from lockstep_workers.architectures import REFUSED, UnsupportedArchitecture, moe_engine_args, vllm_has_triton
+from lockstep_workers.actor.architectures import REFUSED, UnsupportedArchitecture, moe_engine_args, vllm_has_triton
 from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model, family
 
 if TYPE_CHECKING:
     import torch
 
-    from lockstep_workers.learner import Policy, Rollout
+    from lockstep_workers.trainer.learner import Policy, Rollout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -157,8 +157,8 @@ def moved(causal_lm: torch.nn.Module, seed: int) -> None:
 
 def publish_version(causal_lm: torch.nn.Module, directory: Path, version: int) -> Weights:
     """Publish ``causal_lm``'s weights as the trainer does (``sharding.full_state_dict``, then ``weights.publish``)."""
-    from lockstep_workers import sharding
-    from lockstep_workers.weights import publish
+    from lockstep_workers.trainer import sharding
+    from lockstep_workers.weights.files import publish
 
     return publish(sharding.full_state_dict(causal_lm), directory, version=version)
 
@@ -167,7 +167,7 @@ def compare(policy: Policy, rollouts: Sequence[Rollout]) -> Comparison:
     """The trainer's recompute of the rollouts' tokens against the engine's logprobs."""
     import torch
 
-    from lockstep_workers.learner import token_logprobs
+    from lockstep_workers.trainer.learner import token_logprobs
 
     with torch.no_grad():
         recomputed, _, _ = token_logprobs(policy, rollouts, TEMPERATURE)
@@ -179,9 +179,9 @@ def compare(policy: Policy, rollouts: Sequence[Rollout]) -> Comparison:
 
 async def sample(actor: Any, version: int, seed: int) -> list[Rollout]:
     """PROMPTS x SAMPLES completions; raises if a token was sampled under another version than ``version``."""
-    from lockstep_workers.learner import Rollout
     from lockstep_workers.parity_check import random_prompts
     from lockstep_workers.tiny_models import VOCABULARY
+    from lockstep_workers.trainer.learner import Rollout
 
     prompts = random_prompts(PROMPTS, 5, VOCABULARY, seed=seed)
     sampling = {"temperature": TEMPERATURE, "max_tokens": TOKENS, "ignore_eos": True}
@@ -201,8 +201,8 @@ async def sample(actor: Any, version: int, seed: int) -> list[Rollout]:
 
 def _gloo_sender(weights_dir: Path, version: int, rendezvous: str, errors: list[BaseException | None]) -> None:
     """Trainer rank 0: send the published ``version`` to the group (one actor)."""
-    from lockstep_workers.transfer import manifest_of, send
-    from lockstep_workers.weights import version_path
+    from lockstep_workers.weights.files import version_path
+    from lockstep_workers.weights.transfer import manifest_of, send
 
     path = version_path(weights_dir, version)
     try:
@@ -222,11 +222,11 @@ async def full_weight_checks(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_e2e.cluster import free_port
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
-    from lockstep_workers.learner import Policy
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings
-    from lockstep_workers.transfer import ManifestServer, StagedTransfer, manifest_uri
-    from lockstep_workers.weights import WeightsDirectory, local_path
+    from lockstep_workers.trainer.learner import Policy
+    from lockstep_workers.weights.files import WeightsDirectory, local_path
+    from lockstep_workers.weights.transfer import ManifestServer, StagedTransfer, manifest_uri
 
     policy = Policy(causal_lm, fp32_head=True)
     weights_dir = workdir / "weights"
@@ -304,13 +304,13 @@ async def lora_check(result: FamilyResult, model_dir: Path, workdir: Path, start
     from transformers import AutoModelForCausalLM
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers import lora
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
-    from lockstep_workers.adapters import LoraEngine
-    from lockstep_workers.learner import Policy
+    from lockstep_workers.actor.adapters import LoraEngine
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
     from lockstep_workers.parity_check import random_adapter
     from lockstep_workers.tiny_model import cpu_vllm_settings
-    from lockstep_workers.weights import WeightsDirectory, local_path, publish
+    from lockstep_workers.trainer.learner import Policy
+    from lockstep_workers.weights import lora
+    from lockstep_workers.weights.files import WeightsDirectory, local_path, publish
 
     settings = LoraSettings()
     try:

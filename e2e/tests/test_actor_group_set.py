@@ -15,7 +15,7 @@ from lockstep.api import ActorGroup
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.fixtures import push_weights, wait_for, weights_version
 from lockstep_e2e.jobs import announce_weights, create_job, get_job, rljob
-from lockstep_workers.group import node_of
+from lockstep_workers.actor.group import node_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
@@ -46,7 +46,7 @@ def test_the_groups_run_as_a_leader_worker_set_and_update_as_one_member_each(
     kube: client.ApiClient, namespace: str
 ) -> None:
     """LeaderWorkerSet creates the groups' pods through Lockstep's admission policy (the StatefulSet controller may
-    label them as Lockstep's); each pod learns its place from LeaderWorkerSet's webhook as lockstep_workers.group
+    label them as Lockstep's); each pod learns its place from LeaderWorkerSet's webhook as lockstep_workers.actor.group
     reads it; the status counts groups and pods; a weight update is a barrier of the two leaders."""
     running_groups(kube, namespace)
     status = get_job(kube, namespace, "big")["status"]
@@ -62,7 +62,7 @@ def test_the_groups_run_as_a_leader_worker_set_and_update_as_one_member_each(
         assert node.rank == (0 if leader else 1), (name, env)
         assert node.leader.startswith(f"big-actor-{name.split('-')[2]}.big-actor.{namespace}"), node.leader
         assert pod.metadata.labels[keys.ROLE] == (keys.ACTOR if leader else keys.ACTOR_WORKER)
-        assert container.command[-1] == ("lockstep_workers.actor" if leader else "lockstep_workers.headless")
+        assert container.command[-1] == ("lockstep_workers.actor" if leader else "lockstep_workers.actor.headless")
 
     push_weights(kube, namespace, "big", LEADERS, 1)
     [record] = get_job(kube, namespace, "big")["status"]["barrierHistory"]

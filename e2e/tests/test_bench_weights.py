@@ -20,8 +20,8 @@ from lockstep_e2e.bench_weights import (
     served_model,
     size_of,
 )
-from lockstep_workers.adapters import adapter_id
-from lockstep_workers.lora import ADAPTER_CONFIG_METADATA
+from lockstep_workers.actor.adapters import adapter_id
+from lockstep_workers.weights.lora import ADAPTER_CONFIG_METADATA
 
 TINY = 0.01
 """GB: the smallest shape (one layer, hidden size 512)."""

@@ -23,7 +23,7 @@ from lockstep_e2e.models_matrix import (
     table_row,
     write_docs,
 )
-from lockstep_workers.architectures import REFUSED
+from lockstep_workers.actor.architectures import REFUSED
 
 CHECK = {"modules": 10, "parameters": 5, "unchecked": []}
 

@@ -32,10 +32,11 @@ from lockstep_e2e.jobs import POLICIES, condition, events_for, get_job, job_pods
 from lockstep_e2e.podrunner import JobPods
 from lockstep_e2e.rl import EVAL, RunResult, run_tiny_rl_job
 from lockstep_e2e.scrape import dashboard_metrics, exported_metrics, scrape
-from lockstep_workers import export, sharding, text_task, tracking
+from lockstep_workers import export, text_task
 from lockstep_workers.rewards import math_exact_match
 from lockstep_workers.tiny_models import create_tiny_model, family
-from lockstep_workers.weights import publish, weights_directory
+from lockstep_workers.trainer import sharding, tracking
+from lockstep_workers.weights.files import publish, weights_directory
 
 # Each test runs an RL job (run_tiny_rl_job gives up after 540 s, with every pod's log, before pytest's 600).
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep"), pytest.mark.timeout(600)]

@@ -23,7 +23,7 @@ from lockstep_e2e.fixtures import fresh_namespace, running_job, wait_for
 from lockstep_e2e.install import apply, pod_client, read_pod, service_account_token, token_client
 from lockstep_e2e.jobs import announce_weights, create_job, get_job, phase, rljob
 from lockstep_e2e.podrunner import run_pod
-from lockstep_workers.weights import newest_version, publish, weights_directory
+from lockstep_workers.weights.files import newest_version, publish, weights_directory
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
 
@@ -385,7 +385,7 @@ def test_the_trainers_identity_finds_the_actors_in_their_endpoint_slices_and_no_
     the actor port, ready as the pod is; EndpointSlices of other namespaces stay closed to it."""
     from lockstep.desired import actor_service_name
     from lockstep.environment import ACTOR_PORT
-    from lockstep_workers.rollouts import EndpointSlices
+    from lockstep_workers.rollout.client import EndpointSlices
 
     actors = running_job(kube, namespace, "finder", 2)
     trainer = pod_client(kube, namespace, "finder-trainer-0")

@@ -213,7 +213,7 @@ def dataset_problems(dataset: api.Dataset, root: Path | None) -> list[str]:
     """Why the trainer would refuse the files of ``dataset`` (their paths are the trainer pod's; under ``root``
     when given, as on a local copy of the volume). Files not on this machine are left to the trainer, with a note."""
     try:
-        from lockstep_workers.dataset import DatasetError, read_rows
+        from lockstep_workers.rollout.dataset import DatasetError, read_rows
     except ImportError as error:
         print(f"spec.trainer.dataset not checked: install lockstep[workers] to read datasets here ({error})")
         return []

@@ -134,7 +134,7 @@ def worker_access(job: JobRef, pod_names: list[str]) -> list[dict[str, Any]]:
                     "resourceNames": sorted(pod_names),
                     "verbs": ["get", "list", "watch", "patch"],
                 },
-                # The trainer finds the actors in their Service's EndpointSlices (lockstep_workers.rollouts). RBAC
+                # The trainer finds the actors in their Service's EndpointSlices (lockstep_workers.rollout.client). RBAC
                 # cannot name slices by label: it reads the namespace's, and asks only for the job's by selector.
                 {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
             ],
@@ -271,7 +271,7 @@ def actor_pod(
     arguments)."""
     container: dict[str, Any] = {"name": keys.ACTOR, "image": spec.actors.image}
     if role == keys.ACTOR_WORKER:
-        container["command"] = ["python", "-m", "lockstep_workers.headless"]
+        container["command"] = ["python", "-m", "lockstep_workers.actor.headless"]
     else:
         container |= {
             "command": ["python", "-m", "lockstep_workers.actor"],

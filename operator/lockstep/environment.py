@@ -83,7 +83,7 @@ TRAINER_METRICS_PORT = 9400
 """The trainer: rank 0's Prometheus metrics (``METRICS_PORT``)."""
 MANIFEST_PORT = 9500
 """Collective backends: trainer rank 0 serves each version's manifest here (``WEIGHTS_PORT``,
-lockstep_workers.transfer)."""
+lockstep_workers.weights.transfer)."""
 TRANSFER_GROUP_PORT = 9501
 """Collective backends: the rendezvous of each barrier's transfer group, on trainer rank 0 (``WEIGHTS_GROUP_PORT``)."""
 GROUP_RENDEZVOUS_PORT = 29510

@@ -52,7 +52,7 @@ class PodConfig(Model):
         False,
         description="whether the actors return the experts each token was routed to (spec.actors.routingReplay, or "
         "the policy's Required), with each sample, for the trainer to replay in its MoE layers "
-        "(lockstep_workers.routing); vllm then has prefix caching on",
+        "(lockstep_workers.trainer.routing); vllm then has prefix caching on",
     )
     mismatch_budget: MismatchBudget = Field(
         description="the policy's budget; not part of the fingerprint: changing it changes no pod"
@@ -98,7 +98,7 @@ class ActorArgs:
 
 def actor_args(model: str, port: int, settings: VllmSettings, group: ActorGroup | None = None) -> list[str]:
     """The actor's arguments: ``--model``, ``--port``, ``vllm_flags(settings)`` and, for a group's pods (the leader's
-    actor and the workers' lockstep_workers.headless alike), ``--group`` with its JSON."""
+    actor and the workers' lockstep_workers.actor.headless alike), ``--group`` with its JSON."""
     split = [f"--group={group.model_dump_json(by_alias=True)}"] if group is not None else []
     return [f"--model={model}", f"--port={port}", *vllm_flags(settings), *split]
 

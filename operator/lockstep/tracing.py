@@ -1,5 +1,5 @@
 """OpenTelemetry traces (docs/observability.md): one trace per weight update, made by the operator when its barrier
-closes, and one per trainer step, made by trainer rank 0 (lockstep_workers.traces).
+closes, and one per trainer step, made by trainer rank 0 (lockstep_workers.trainer.traces).
 
 The spans are built after the fact, from times Lockstep already records (a closed barrier's ``BarrierRecord``, a
 step's timings), by pure functions returning ``SpanData``; ``emit`` hands them to a tracer. A process exports only

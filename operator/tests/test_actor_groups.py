@@ -57,7 +57,7 @@ def test_the_leader_serves_the_engine_and_the_workers_run_its_headless_ranks_wit
     [leader] = template["leaderTemplate"]["spec"]["containers"]
     [worker] = template["workerTemplate"]["spec"]["containers"]
     assert leader["command"] == ["python", "-m", "lockstep_workers.actor"]
-    assert worker["command"] == ["python", "-m", "lockstep_workers.headless"]
+    assert worker["command"] == ["python", "-m", "lockstep_workers.actor.headless"]
     assert leader["args"] == worker["args"], "every rank runs the same locked settings"
     assert parse_actor_args(leader["args"]).group == spec.actors.group
     assert "readinessProbe" in leader and "ports" in leader

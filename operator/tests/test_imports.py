@@ -41,3 +41,32 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
     except graphlib.CycleError as cycle:
         raise AssertionError(f"an import cycle: {' -> '.join(cycle.args[1])}") from None
     assert len(order) == len(graph)
+
+
+WORKERS_LAYERS = {
+    "agent": set(),
+    "weights": {"agent"},
+    "actor": {"agent", "weights"},
+    "rollout": {"agent", "weights", "actor", "episodes", "trainer.learner"},
+    "trainer": {"agent", "weights", "rollout", "episodes", "export"},
+}
+"""The workers' packages and what each may import of lockstep_workers outside itself, as each package's ``__init__``
+says: one way, agent <- weights <- actor <- rollout <- trainer (the rollout producer fills the learner's rollout
+record; the trainer never imports the actor)."""
+
+
+def test_each_workers_package_imports_only_the_packages_below_it() -> None:
+    known = modules()
+    crossing = set()
+    for name, path in known.items():
+        package = name.split(".")[1] if name.count(".") >= 2 else None
+        if package not in WORKERS_LAYERS:
+            continue
+        for target in imported(path, known):
+            inside = target.removeprefix("lockstep_workers.")
+            if target.startswith("lockstep_workers.") and inside.split(".")[0] != package:
+                allowed = WORKERS_LAYERS[package]
+                if inside not in allowed and inside.split(".")[0] not in allowed:
+                    crossing.add(f"{name} imports {target}")
+    assert set(WORKERS_LAYERS) <= {name.split(".")[1] for name in known if name.count(".") >= 2}
+    assert not crossing, sorted(crossing)

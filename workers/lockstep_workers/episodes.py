@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lockstep_workers.learner import Rollout
+from lockstep_workers.trainer.learner import Rollout
 
 LOCKED_SAMPLING = ("temperature", "top_p")
 """Sampling fields a rollout function may not change: the trainer recomputes logprobs under the job's."""
@@ -35,7 +35,7 @@ LOCKED_SAMPLING = ("temperature", "top_p")
 class Generation:
     """One policy turn: the tokens sampled, their processed logprobs and the weights version of each; with an MoE
     model whose engine returns them, the routed experts of the whole sequence, the turn's input and its tokens
-    ([tokens, MoE layers, top_k], lockstep_workers.routing; else None)."""
+    ([tokens, MoE layers, top_k], lockstep_workers.trainer.routing; else None)."""
 
     token_ids: list[int]
     logprobs: list[float]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from lockstep.api import DType
-from lockstep_workers import lora
-from lockstep_workers.weights import digest_of, fsync_directory, tensors, version_path
+from lockstep_workers.weights import lora
+from lockstep_workers.weights.files import digest_of, fsync_directory, tensors, version_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _version_file(weights: Path, version: int | None, parser: argparse.ArgumentParser) -> Path:
     """The version file --weights and --version name; exits through ``parser`` naming what is missing."""
-    from lockstep_workers.weights import newest_version
+    from lockstep_workers.weights.files import newest_version
 
     if weights.is_file():
         return weights

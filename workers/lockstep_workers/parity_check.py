@@ -15,7 +15,7 @@ recomputes the logprob of every sampled token:
 A configuration with a LoRA adapter (``lora``, spec.trainer.lora) runs as a LoRA job's actor does: vLLM's LoRA
 engine, a random non-zero PEFT adapter published as version 1 and loaded before the workloads (so batch and topP
 are sampled under it), and the in-flight update loads a second adapter (version 2). The trainer recomputes with
-the same adapters injected by PEFT (lockstep_workers.lora), so what is measured is vLLM's LoRA kernels against
+the same adapters injected by PEFT (lockstep_workers.weights.lora), so what is measured is vLLM's LoRA kernels against
 PEFT's forward; ``adapterEffect`` says how far each adapter moved the trainer's logprobs from the base model's.
 
 Metrics per workload (``compare``): mean and max |Δlogprob|, KL(rollout‖trainer) by the k3 estimator,
@@ -52,8 +52,8 @@ from lockstep.api import (
 )
 from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import PreflightResult, Weights, document
-from lockstep_workers.learner import Policy, Rollout, token_logprobs
-from lockstep_workers.vllm_args import UnsupportedSetting
+from lockstep_workers.actor.vllm_args import UnsupportedSetting
+from lockstep_workers.trainer.learner import Policy, Rollout, token_logprobs
 
 logger = logging.getLogger("lockstep.parity")
 
@@ -215,12 +215,12 @@ def random_adapter(
     model_dir: Path, settings: LoraSettings, scale: float = 0.2, seed: int = 1
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A random non-zero LoRA adapter of the model, as a LoRA job's trainer publishes one: PEFT's config of
-    ``settings`` (target modules resolved on the model, lockstep_workers.lora.adapter_config), lora_A and lora_B
+    ``settings`` (target modules resolved on the model, lockstep_workers.weights.lora.adapter_config), lora_A and lora_B
     drawn (seeded) so that each adapted module's update (alpha/r)·B·A has ``scale`` of its weight's spread, as
     ``perturbed`` moves full weights. Returns the tensors under PEFT's file names and the header metadata."""
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers import lora
+    from lockstep_workers.weights import lora
 
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = lora.adapter_config(settings, causal_lm)
@@ -267,9 +267,9 @@ async def _run_engine(
     ``initial`` (adapter version 1) is loaded before them and ``update`` is the second adapter."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
-    from lockstep_workers.adapters import LoraEngine
-    from lockstep_workers.weights import WeightsDirectory, local_path
+    from lockstep_workers.actor.adapters import LoraEngine
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
+    from lockstep_workers.weights.files import WeightsDirectory, local_path
 
     lora = LoraEngine(configuration.lora, max_lag=1) if configuration.lora is not None else None
     llm = AsyncLLM.from_engine_args(engine_args(str(model_dir), applied_settings(configuration.vllm), lora=lora))
@@ -312,8 +312,8 @@ def measure(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers import lora
-    from lockstep_workers.weights import local_path, publish
+    from lockstep_workers.weights import lora
+    from lockstep_workers.weights.files import local_path, publish
 
     new_weights = perturbed(model_dir, workload.update_size)
     update = publish(new_weights, workdir / "weights", version=1)
@@ -558,15 +558,15 @@ def preflight(model: Path, workload: Workload, environ: Mapping[str, str]) -> in
     """Measure the job's effective configuration and write a PreflightResult on this pod (with the engine
     arguments the settings were applied as); exit 1, naming them, when this vLLM cannot honour the settings or the
     model is of a refused architecture, or a mixture of experts this vLLM cannot run as the job asks
-    (lockstep_workers.architectures)."""
-    from lockstep_workers.actor import applied_settings
-    from lockstep_workers.agent import pod_api
-    from lockstep_workers.architectures import (
+    (lockstep_workers.actor.architectures)."""
+    from lockstep_workers.actor.architectures import (
         UnsupportedArchitecture,
         check_architecture,
         moe_engine_args,
         vllm_has_triton,
     )
+    from lockstep_workers.actor.server import applied_settings
+    from lockstep_workers.agent.pod_agent import pod_api
 
     config = load_pod_config(environ)
     if config is None:

@@ -47,7 +47,7 @@ def updated_model(model_dir: Path, directory: Path) -> tuple[dict[str, Any], Any
     import torch
     from safetensors.torch import load_file
 
-    from lockstep_workers.weights import publish
+    from lockstep_workers.weights.files import publish
 
     generator = torch.Generator().manual_seed(7)
     weights = load_file(str(model_dir / "model.safetensors"))
@@ -80,9 +80,9 @@ def assert_spans_the_update(result: dict[str, Any], model_dir: Path, updated: di
 def test_a_request_spans_an_in_flight_update_with_exact_logprobs(tmp_path: Path) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
-    from lockstep_workers.weights import DigestMismatch, WeightsDirectory
+    from lockstep_workers.weights.files import DigestMismatch, WeightsDirectory
 
     model_dir = create_tiny_llama(tmp_path / "model")
     updated, weights = updated_model(model_dir, tmp_path / "weights")
@@ -260,9 +260,9 @@ def test_trainer_recomputes_the_actors_logprobs_under_the_locked_config(
     from transformers import AutoModelForCausalLM
 
     from lockstep.api import Objective
-    from lockstep_workers.learner import Policy, learn
     from lockstep_workers.rewards import target_words
-    from lockstep_workers.rollouts import FixedActors, collect_rollouts
+    from lockstep_workers.rollout.client import FixedActors, collect_rollouts
+    from lockstep_workers.trainer.learner import Policy, learn
 
     base, model_dir, _ = served
     sampling = {"temperature": 0.7, "max_tokens": 12, "ignore_eos": True}

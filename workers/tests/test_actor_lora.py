@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lockstep.api import LoraSettings
-from lockstep_workers.adapters import AdapterTable, LoraEngine, adapter_id
+from lockstep_workers.actor.adapters import AdapterTable, LoraEngine, adapter_id
 
 TEMPERATURE = 0.7
 PROMPT = [1, 10, 11, 12, 13]
@@ -51,8 +51,8 @@ def publish_adapter(model_dir: Path, directory: Path, version: int, seed: int) -
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers.lora import adapter_metadata
-    from lockstep_workers.weights import publish
+    from lockstep_workers.weights.files import publish
+    from lockstep_workers.weights.lora import adapter_metadata
 
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     torch.manual_seed(seed)
@@ -74,9 +74,9 @@ def test_adapters_update_while_requests_run_with_no_pause_and_exact_logprobs(tmp
     import torch
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers.actor import PAUSED, Actor, applied_settings, engine_args
+    from lockstep_workers.actor.server import PAUSED, Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
-    from lockstep_workers.weights import WeightsDirectory
+    from lockstep_workers.weights.files import WeightsDirectory
 
     model_dir = create_tiny_llama(tmp_path / "model")
     published = {v: publish_adapter(model_dir, tmp_path / "weights", v, seed=v) for v in (1, 2, 3)}
@@ -131,8 +131,8 @@ async def refuse_broken_adapters(actor: Any, origin: Any, model: Any, directory:
     import torch
     from peft import get_peft_model_state_dict
 
-    from lockstep_workers.lora import adapter_metadata
-    from lockstep_workers.weights import publish
+    from lockstep_workers.weights.files import publish
+    from lockstep_workers.weights.lora import adapter_metadata
 
     tensors = get_peft_model_state_dict(model)
     config = model.peft_config["default"]

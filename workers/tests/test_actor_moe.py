@@ -14,8 +14,8 @@ import pytest
 
 from lockstep import environment
 from lockstep.podconfig import PodConfig
-from lockstep_workers.actor import routed_experts
-from lockstep_workers.architectures import vllm_has_triton
+from lockstep_workers.actor.architectures import vllm_has_triton
+from lockstep_workers.actor.server import routed_experts
 
 
 def test_the_routed_experts_of_a_sample_are_nested_lists_of_tokens_layers_and_top_k() -> None:
@@ -58,8 +58,8 @@ def test_this_vllm_cannot_return_routed_experts_exactly_when_it_has_no_triton(tm
 
 def olmoe(directory: Path) -> Path:
     """An OLMoE config.json: a mixture of experts of an architecture the verified matrix does not refuse
-    (lockstep_workers.architectures.REFUSED), so that the refusals here are the MoE ones (nothing more of the model
-    is read before them)."""
+    (lockstep_workers.actor.architectures.REFUSED), so that the refusals here are the MoE ones (nothing more of the
+    model is read before them)."""
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"architectures": ["OlmoeForCausalLM"], "num_experts": 64}))
     return directory
@@ -89,7 +89,7 @@ def pod_config(directory: Path, model: Path, **job: object) -> Path:
 def test_the_actor_of_a_replaying_job_on_a_mixture_of_experts_refuses_to_start_on_this_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lockstep_workers.actor import command_line
+    from lockstep_workers.actor.server import command_line
 
     model = olmoe(tmp_path / "olmoe")
     monkeypatch.setenv(environment.CONFIG, str(pod_config(tmp_path, model, routingReplay=True)))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep_workers.architectures import (
+from lockstep_workers.actor.architectures import (
     REFUSED,
     UnsupportedArchitecture,
     architectures,

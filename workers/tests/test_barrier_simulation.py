@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from lockstep.api import BarrierRecord, BarrierStatus, TimeoutAction
 from lockstep.barrier import Member, remember, step
 from lockstep.protocol import ACK_FOR, Ack, BarrierPhase, Command, TransferGroup, Weights, document, parse_ack
-from lockstep_workers.agent import AgentCore, Staged
+from lockstep_workers.agent.core import AgentCore, Staged
 
 START = dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
 TIMEOUT = 30.0

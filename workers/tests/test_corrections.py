@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockstep.api import Algorithm, CorrectionLevel, CorrectionMode, Objective, RolloutCorrection
-from lockstep_workers.objective import Batch, Statistics, policy_loss
+from lockstep_workers.trainer.objective import Batch, Statistics, policy_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

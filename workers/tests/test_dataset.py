@@ -18,7 +18,7 @@ import yaml
 
 from lockstep.api import Dataset
 from lockstep_workers import text_task
-from lockstep_workers.dataset import DatasetError, PromptDataset, read_rows, step_rows
+from lockstep_workers.rollout.dataset import DatasetError, PromptDataset, read_rows, step_rows
 
 ROWS = [{"prompt": f"which is larger : {n} or {n + 1} ?", "answer": n + 1, "source": "test"} for n in range(7)]
 REPOSITORY = Path(__file__).resolve().parents[2]

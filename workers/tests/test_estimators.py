@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockstep.api import AdvantageEstimator, Algorithm, KlEstimator, LossAggregation, Objective, RolloutCorrection
-from lockstep_workers.learner import group_advantages, whitened_rewards
-from lockstep_workers.objective import Batch, policy_loss
+from lockstep_workers.trainer.learner import group_advantages, whitened_rewards
+from lockstep_workers.trainer.objective import Batch, policy_loss
 
 MAX_TOKENS = 7
 LOW, HIGH = 0.8, 1.28

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from lockstep.api import DType, LoraSettings, Output
-from lockstep_workers import export, lora
-from lockstep_workers.pod import PodEnvironment
+from lockstep_workers import export
 from lockstep_workers.tiny_model import CHAT_TEMPLATE, CHAT_WORDS, create_tiny_llama
-from lockstep_workers.trainer import output_due, write_output
-from lockstep_workers.weights import publish, version_path, weights_directory
+from lockstep_workers.trainer.loop import output_due, write_output
+from lockstep_workers.trainer.pod import PodEnvironment
+from lockstep_workers.weights import lora
+from lockstep_workers.weights.files import publish, version_path, weights_directory
 
 TOKENS = torch.tensor([[1, 5, 6, 7, 8, 9]])
 

@@ -1,4 +1,4 @@
-"""An actor group's pods (lockstep_workers.group): each pod's place from LeaderWorkerSet's variables, and vLLM's
+"""An actor group's pods (lockstep_workers.actor.group): each pod's place from LeaderWorkerSet's variables, and vLLM's
 engine arguments for it; the actor runs on the leader only."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from lockstep import environment
 from lockstep.api import ActorGroup, VllmSettings
 from lockstep.podconfig import actor_args, parse_actor_args
-from lockstep_workers.group import Node, node_of, placement
+from lockstep_workers.actor.group import Node, node_of, placement
 
 LWS = {environment.GROUP_LEADER_ADDRESS: "job-actor-0.job-actors", environment.GROUP_WORKER_INDEX: "1"}
 
@@ -68,7 +68,7 @@ def test_every_pod_of_a_group_gets_the_same_command_line_with_its_split() -> Non
 
 def test_the_actor_runs_on_the_leader_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from lockstep.podconfig import ActorArgs
-    from lockstep_workers.actor import leader_placement
+    from lockstep_workers.actor.server import leader_placement
 
     group = ActorGroup(pods=2, tensor_parallel_size=2)
     options = ActorArgs("/models/base", 8000, VllmSettings(), group)

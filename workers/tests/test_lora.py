@@ -1,4 +1,4 @@
-"""LoRA jobs, the trainer's side (lockstep_workers.lora): the adapter's target modules, found from the model and
+"""LoRA jobs, the trainer's side (lockstep_workers.weights.lora): the adapter's target modules, found from the model and
 checked against it; the names of its tensors in the trainer and in PEFT's files; a published version is a file
 PEFT loads, computing what the trainer's sharded model computes, whose base never moves."""
 
@@ -14,9 +14,9 @@ import torch
 import torch.multiprocessing as mp
 
 from lockstep.api import LoraSettings, Training
-from lockstep_workers import lora
-from lockstep_workers.learner import Rollout
 from lockstep_workers.tiny_model import create_tiny_llama
+from lockstep_workers.trainer.learner import Rollout
+from lockstep_workers.weights import lora
 
 LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 """The tiny Llama's linear modules in its decoder layers."""
@@ -43,7 +43,7 @@ def test_the_default_targets_are_every_linear_module_of_the_decoder_layers(tmp_p
 
 
 def test_a_target_module_the_model_lacks_is_refused_naming_those_it_has(tmp_path: Path) -> None:
-    from lockstep_workers.trainer import build
+    from lockstep_workers.trainer.loop import build
 
     model = tiny(tmp_path / "model")
     expected = (
@@ -83,7 +83,7 @@ def test_the_trainers_parameter_names_map_to_peft_file_names_and_back(tmp_path: 
 
 
 def test_a_published_versions_adapter_config_is_read_from_its_header(tmp_path: Path) -> None:
-    from lockstep_workers.weights import local_path, publish
+    from lockstep_workers.weights.files import local_path, publish
 
     config = lora.adapter_config(LoraSettings(rank=2, target_modules=["q_proj"]), tiny(tmp_path / "model"))
     tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 128)}
@@ -105,9 +105,9 @@ def _train_an_adapter(rank: int, model: str, out: str, train_lm_head: bool) -> N
     """One rank: the trainer's model (trainer.build) for a LoRA job, 2 learning steps, then what it publishes, its
     logprobs of ROLLOUTS, its base parameters and its optimizer's state size; the same size for a full job."""
     from lockstep.api import Objective
-    from lockstep_workers import sharding
-    from lockstep_workers.learner import learn, token_logprobs
-    from lockstep_workers.trainer import build
+    from lockstep_workers.trainer import sharding
+    from lockstep_workers.trainer.learner import learn, token_logprobs
+    from lockstep_workers.trainer.loop import build
 
     torch.set_num_threads(1)
     mesh = sharding.start(rank, 1, torch.device("cpu"))
@@ -153,7 +153,7 @@ def test_a_published_adapter_loads_with_peft_and_computes_what_the_trainer_does(
     the trainer's logprobs. Prints the optimizer state of the adapter against that of every weight."""
     from peft import PeftModel
 
-    from lockstep_workers.weights import local_path, publish
+    from lockstep_workers.weights.files import local_path, publish
 
     model = create_tiny_llama(tmp_path / "model")
     out = tmp_path / "results.pt"

@@ -44,7 +44,7 @@ class Engine:
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     from vllm import LLM
 
-    from lockstep_workers.actor import applied_settings
+    from lockstep_workers.actor.server import applied_settings
     from lockstep_workers.tiny_model import cpu_vllm_settings
 
     with pytest.MonkeyPatch.context() as patch:
@@ -53,7 +53,7 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         engine = Engine(request.param, None, tmp_path_factory.mktemp(request.param))
         engine.llm = LLM(
             model=str(engine.version(0)),
-            worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader",
+            worker_extension_cls="lockstep_workers.actor.vllm_extension.WeightReloader",
             **applied_settings(cpu_vllm_settings()).engine_args,
         )
         try:
@@ -88,7 +88,7 @@ def vllm_plain_reload(llm: Any, path: Path) -> None:
     """vLLM's own reload of the file at ``path``, without the actor's preparation of the experts."""
 
     def reload(worker: Any, path: str) -> None:
-        from lockstep_workers.weights import tensors
+        from lockstep_workers.weights.files import tensors
 
         worker.model_runner.reload_weights(weights_iterator=tensors(Path(path)), is_checkpoint_format=True)
 

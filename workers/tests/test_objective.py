@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lockstep.api import Algorithm, Objective, RolloutCorrection
-from lockstep_workers import objective as objective_module
-from lockstep_workers.objective import Batch
+from lockstep_workers.trainer import objective as objective_module
+from lockstep_workers.trainer.objective import Batch
 
 
 def policy_loss(batch: Batch, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:

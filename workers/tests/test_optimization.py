@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lockstep.api import Objective, OptimizerSettings
-from lockstep_workers.optimization import adamw, clip_gradients, learning_rate_factor, scheduler
+from lockstep_workers.trainer.optimization import adamw, clip_gradients, learning_rate_factor, scheduler
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def test_the_preflight_of_a_lora_job_measures_with_its_adapter(tmp_path: Path, m
             patched.append(body)
 
     monkeypatch.setattr(parity_check, "measure", measure)
-    monkeypatch.setattr("lockstep_workers.agent.pod_api", Pods)
+    monkeypatch.setattr("lockstep_workers.agent.pod_agent.pod_api", Pods)
     environ = {
         environment.CONFIG: str(tmp_path / "config.json"),
         environment.POD_NAME: "demo-preflight-0",
@@ -88,8 +88,8 @@ def test_the_preflight_of_a_lora_job_measures_with_its_adapter(tmp_path: Path, m
 def test_a_random_adapter_is_non_zero_on_every_linear_module_of_the_layers(tmp_path: Path) -> None:
     import json
 
-    from lockstep_workers.lora import ADAPTER_CONFIG_METADATA
     from lockstep_workers.tiny_model import create_tiny_llama
+    from lockstep_workers.weights.lora import ADAPTER_CONFIG_METADATA
 
     model = create_tiny_llama(tmp_path / "model")
     tensors, metadata = parity_check.random_adapter(model, LoraSettings(), seed=1)

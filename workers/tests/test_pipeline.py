@@ -1,5 +1,5 @@
-"""The rollout producer (lockstep_workers.pipeline): its schedule, simulated over random sample and learn latencies
-and stops, keeps every learned token within maxLag, samples each step's on-policy groups under the step's own
+"""The rollout producer (lockstep_workers.rollout.producer): its schedule, simulated over random sample and learn
+latencies and stops, keeps every learned token within maxLag, samples each step's on-policy groups under the step's own
 version, learns each group once and each row of an epoch once; the
 producer drops a stale group and samples its prompt again, interleaves evaluation with training, and hands what
 stopped it to the step that waits."""
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockstep_workers.dataset import Prompt, step_rows
-from lockstep_workers.learner import Rollout
-from lockstep_workers.pipeline import RolloutProducer, Schedule, StepGroups, informative
-from lockstep_workers.rollouts import STALE_RESAMPLINGS, RolloutError, Rows
-from lockstep_workers.scoring import Scores
+from lockstep_workers.rollout.client import STALE_RESAMPLINGS, RolloutError, Rows
+from lockstep_workers.rollout.dataset import Prompt, step_rows
+from lockstep_workers.rollout.producer import RolloutProducer, Schedule, StepGroups, informative
+from lockstep_workers.rollout.scoring import Scores
+from lockstep_workers.trainer.learner import Rollout
 
 
 def simulate(

@@ -14,9 +14,17 @@ import pytest
 
 from lockstep import keys
 from lockstep.protocol import PROTOCOL, Weights, document
-from lockstep_workers.agent import initial_weights
+from lockstep_workers.agent.pod_agent import initial_weights
 
-WORKERS = ("actor", "agent", "parity_check", "pod", "rollouts", "trainer")
+WORKERS = (
+    "actor.server",
+    "agent.core",
+    "agent.pod_agent",
+    "parity_check",
+    "rollout.client",
+    "trainer.loop",
+    "trainer.pod",
+)
 
 
 def test_the_workers_import_none_of_the_operators_rendering() -> None:
@@ -62,7 +70,7 @@ def test_the_trainer_reports_no_number_the_wire_documents_refuse(caplog: pytest.
     """Issue 37 item 1: a NaN or infinite metric went into lockstep.dev/mismatch (the operator now refuses the
     whole report); the trainer leaves such a metric out, or reports nothing for the step, and says so."""
     from lockstep.protocol import EvalResult, Mismatch, read_document
-    from lockstep_workers.pod import EVAL_REWARD, EVAL_ROWS, step_reports
+    from lockstep_workers.trainer.pod import EVAL_REWARD, EVAL_ROWS, step_reports
 
     metrics = {
         "onpolicy_mean_abs_logprob_diff": 0.01,
@@ -93,8 +101,8 @@ def test_a_step_that_measured_no_on_policy_token_says_none_never_zero(tmp_path: 
     import math
 
     from lockstep import environment
-    from lockstep_workers.objective import ONPOLICY_MISMATCH, Statistics
-    from lockstep_workers.pod import GAUGES, PodEnvironment, record, step_reports
+    from lockstep_workers.trainer.objective import ONPOLICY_MISMATCH, Statistics
+    from lockstep_workers.trainer.pod import GAUGES, PodEnvironment, record, step_reports
 
     stale = Statistics(
         {
@@ -126,9 +134,9 @@ def test_the_trainer_announces_the_routing_metrics_it_measured_and_never_an_unme
     the operator accepts, so a budget can hold them; a step without engine routings measured no routing_mismatch
     (null in metrics.jsonl), and its report leaves it out rather than saying 0."""
     from lockstep.protocol import Mismatch, read_document
-    from lockstep_workers.objective import Statistics
-    from lockstep_workers.pod import step_reports
-    from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH
+    from lockstep_workers.trainer.objective import Statistics
+    from lockstep_workers.trainer.pod import step_reports
+    from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH
 
     onpolicy = {"onpolicy_tokens": 8.0, "onpolicy_abs_logprob_diff": 0.08, "tokens": 8.0, "spanning": 0.0}
     load = {f"routing_load/0/{e}": t for e, t in enumerate([4.0, 2.0, 1.0, 1.0])}  # max 4 over mean 2: 2

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep_e2e.fixtures import wait_for
-from lockstep_workers import weights
-from lockstep_workers.weights import Publisher, PublishFailed, local_path, newest_version, publish, version_path
+from lockstep_workers.weights import files as weights
+from lockstep_workers.weights.files import Publisher, PublishFailed, local_path, newest_version, publish, version_path
 
 
 def test_a_publish_hashes_what_it_writes_and_the_file_loads_exactly(
@@ -62,8 +62,8 @@ def test_a_publish_hashes_what_it_writes_and_the_file_loads_exactly(
 
 
 def test_a_publish_writes_its_metadata_into_the_header_that_the_digest_covers(tmp_path: Path) -> None:
-    """A LoRA version's header carries the adapter's config as ``__metadata__`` (lockstep_workers.lora): safetensors
-    reads it and the tensors back; another config is another digest; a non-string value is refused."""
+    """A LoRA version's header carries the adapter's config as ``__metadata__`` (lockstep_workers.weights.lora):
+    safetensors reads it and the tensors back; another config is another digest; a non-string value is refused."""
     from safetensors import safe_open
 
     tensors = {
@@ -215,7 +215,7 @@ KILLED_MID_PUBLISH = """
 import os, sys, threading
 from pathlib import Path
 import torch
-from lockstep_workers.weights import publish
+from lockstep_workers.weights.files import publish
 
 directory, marker = Path(sys.argv[1]), Path(sys.argv[2])
 publish({"w": torch.zeros(8)}, directory, version=1)
@@ -230,7 +230,7 @@ publish({f"layer{n}": torch.ones(1 << 20) for n in range(16)}, directory, versio
 def test_a_trainer_killed_mid_publish_leaves_no_partial_version(tmp_path: Path) -> None:
     """A publisher SIGKILLed after writing version 2's 64 MiB and before they were on disk: no file by version 2's
     name, the newest version is still 1, and a resumed trainer goes on from version 1 (announced again)."""
-    from lockstep_workers.trainer import Resumption, resumption
+    from lockstep_workers.trainer.loop import Resumption, resumption
 
     directory, marker = tmp_path / "weights", tmp_path / "writing"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

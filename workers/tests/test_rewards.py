@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lockstep.api import RewardErrorAction, Training, WeightedReward
 from lockstep_workers.rewards import final_answer, format, math_exact_match
-from lockstep_workers.scoring import RewardFailed, RewardInput, Scorer, Scores, takes_text, weighted_sum
+from lockstep_workers.rollout.scoring import RewardFailed, RewardInput, Scorer, Scores, takes_text, weighted_sum
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from lockstep_workers import rollouts
 from lockstep_workers.episodes import Client, Episode, Generation, episode_rollout
-from lockstep_workers.rollouts import (
+from lockstep_workers.rollout import client as rollouts
+from lockstep_workers.rollout.client import (
     ActorPool,
     ActorService,
     FixedActors,

@@ -1,5 +1,5 @@
-"""Routing in the trainer's MoE layers (lockstep_workers.routing), on the tiny random model of each MoE family of
-tiny_models, one for each router of its table: replaying the model's own routing changes nothing; replaying another
+"""Routing in the trainer's MoE layers (lockstep_workers.trainer.routing), on the tiny random model of each MoE family
+of tiny_models, one for each router of its table: replaying the model's own routing changes nothing; replaying another
 routing computes what a hand-written MoE layer forced to it computes, with the gradient reaching the router; the
 metrics count what they say; ``learn`` replays the samples' engine routings, measures them and adds the aux loss
 only when asked; a dense model has no routing metric."""
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.api import Objective
-from lockstep_workers import routing
-from lockstep_workers.learner import Policy, Rollout, learn
-from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model
+from lockstep_workers.trainer import routing
+from lockstep_workers.trainer.learner import Policy, Rollout, learn
+from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 
 MOE_FAMILIES = [f for f in FAMILIES if f.mixture_of_experts]
 

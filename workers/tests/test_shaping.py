@@ -1,4 +1,4 @@
-"""What a step learns from beyond the reward function's value (lockstep_workers.shaping): DAPO's soft overlong
+"""What a step learns from beyond the reward function's value (lockstep_workers.trainer.shaping): DAPO's soft overlong
 punishment as the paper writes it, which completions mode mask keeps out of the loss, and each of several reward
 functions' step metric."""
 
@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockstep.api import Overlong, OverlongMode
-from lockstep_workers.learner import Rollout
-from lockstep_workers.pipeline import Group
-from lockstep_workers.shaping import masked_if_cut, overlong_metrics, overlong_penalty, penalties, policy_tokens
-from lockstep_workers.trainer import reward_part_metrics
+from lockstep_workers.rollout.producer import Group
+from lockstep_workers.trainer.learner import Rollout
+from lockstep_workers.trainer.loop import reward_part_metrics
+from lockstep_workers.trainer.shaping import masked_if_cut, overlong_metrics, overlong_penalty, penalties, policy_tokens
 
 
 def dapo_penalty(length: int, max_tokens: int, window: int) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lockstep_workers.load_check import Shard, shard_of
+from lockstep_workers.actor.load_check import Shard, shard_of
 
 PROMPT = [1, 10, 11, 12]
 
@@ -106,7 +106,7 @@ def test_two_tensor_parallel_workers_each_load_and_check_their_shard(
         seed=0,
         tensor_parallel_size=2,
         distributed_executor_backend="mp",
-        worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader",
+        worker_extension_cls="lockstep_workers.actor.vllm_extension.WeightReloader",
     )
     try:
         reports = llm.collective_rpc("lockstep_reload", args=(str(new / "model.safetensors"),))
@@ -214,7 +214,7 @@ def test_each_tensor_parallel_rank_checks_its_rows_of_every_expert(tmp_path: Pat
     reads a stale down projection, is named."""
     from safetensors import safe_open
 
-    from lockstep_workers.load_check import LoadMismatch, check_experts
+    from lockstep_workers.actor.load_check import LoadMismatch, check_experts
 
     each = published_experts_file(tmp_path / "experts.safetensors")
     with safe_open(str(tmp_path / "experts.safetensors"), "pt") as published:
@@ -238,7 +238,7 @@ def test_with_expert_parallelism_a_worker_checks_the_experts_it_holds_and_leaves
     workers, is not run, so with the CPU's packed layout nothing is checked, and nothing is called a mismatch."""
     from safetensors import safe_open
 
-    from lockstep_workers.load_check import check_experts
+    from lockstep_workers.actor.load_check import check_experts
 
     each = published_experts_file(tmp_path / "experts.safetensors")
     published_experts_file(tmp_path / "fused.safetensors", fused=True)

@@ -59,9 +59,9 @@ def test_after_an_in_flight_update_the_tied_head_is_the_new_versions(tied_model:
     import torch
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings
-    from lockstep_workers.weights import WeightsDirectory, publish
+    from lockstep_workers.weights.files import WeightsDirectory, publish
 
     updated = perturbed(tied_model)
     weights = publish(updated, tmp_path / "weights", version=1)
@@ -93,8 +93,8 @@ def test_the_load_check_names_a_head_whose_derived_copy_was_not_refreshed(tmp_pa
     """The check, on a model built as vLLM builds it (a module whose kernel reads a copy derived at load)."""
     import torch
 
-    from lockstep_workers.load_check import LoadMismatch, check_loaded, retie, tied_groups
-    from lockstep_workers.weights import local_path, publish
+    from lockstep_workers.actor.load_check import LoadMismatch, check_loaded, retie, tied_groups
+    from lockstep_workers.weights.files import local_path, publish
 
     class Kernel:
         """Computes with a copy of the weight taken when processed, like vLLM's CPU repacking."""

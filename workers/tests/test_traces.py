@@ -1,5 +1,5 @@
-"""Trainer rank 0's step traces (lockstep_workers.traces), read back from the OpenTelemetry SDK's in-memory exporter:
-the step's span and its parts at their measured times, as the trainer's background publish emits them."""
+"""Trainer rank 0's step traces (lockstep_workers.trainer.traces), read back from the OpenTelemetry SDK's in-memory
+exporter: the step's span and its parts at their measured times, as the trainer's background publish emits them."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from opentelemetry.trace import Tracer
 
 from lockstep import tracing
 from lockstep.api import Training
-from lockstep_workers import traces
-from lockstep_workers.pod import PodEnvironment
-from lockstep_workers.trainer import _publish_and_announce
-from lockstep_workers.weights import StreamedPublish
+from lockstep_workers.trainer import traces
+from lockstep_workers.trainer.loop import _publish_and_announce
+from lockstep_workers.trainer.pod import PodEnvironment
+from lockstep_workers.weights.files import StreamedPublish
 
 SECOND = 10**9
 STARTED = 1_800_000_000.0

@@ -1,5 +1,5 @@
-"""spec.trainer.tracking (lockstep_workers.tracking), read back with TensorBoard's own reader and MLflow's own client
-from the store a job writes by default: each step's metrics under metrics.jsonl's names (none for a metric that
+"""spec.trainer.tracking (lockstep_workers.trainer.tracking), read back with TensorBoard's own reader and MLflow's own
+client from the store a job writes by default: each step's metrics under metrics.jsonl's names (none for a metric that
 measured nothing), the effective configuration and its fingerprint, and a restarted trainer's steps in the same run."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from lockstep.api import (
     WeightUpdateSemantics,
 )
 from lockstep.podconfig import PodConfig
-from lockstep_workers.pod import PodEnvironment, record
-from lockstep_workers.tracking import (
+from lockstep_workers.trainer.pod import PodEnvironment, record
+from lockstep_workers.trainer.tracking import (
     CONFIG_TAG,
     FINGERPRINT_TAG,
     MLFLOW_FINGERPRINT_TAG,

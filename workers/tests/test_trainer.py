@@ -41,16 +41,17 @@ from lockstep.api import (
     WeightUpdateSemantics,
 )
 from lockstep.podconfig import PodConfig
-from lockstep_workers import learner, lora
-from lockstep_workers.learner import Policy, Rollout, learn, token_logprobs
-from lockstep_workers.objective import Statistics
 from lockstep_workers.rewards import target_words
-from lockstep_workers.rollouts import Rows
-from lockstep_workers.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
-from lockstep_workers.scoring import load_callable
-from lockstep_workers.shaping import masked_if_cut
+from lockstep_workers.rollout.client import Rows
+from lockstep_workers.rollout.scoring import load_callable
 from lockstep_workers.tiny_model import create_tiny_llama
 from lockstep_workers.tiny_models import FAMILIES, create_tiny_model, family
+from lockstep_workers.trainer import learner
+from lockstep_workers.trainer.learner import Policy, Rollout, learn, token_logprobs
+from lockstep_workers.trainer.objective import Statistics
+from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
+from lockstep_workers.trainer.shaping import masked_if_cut
+from lockstep_workers.weights import lora
 
 TEMPERATURE = 1.0
 
@@ -415,7 +416,7 @@ def test_dynamic_sampling_the_overlong_penalty_and_weighted_rewards_reach_the_st
 
 def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
     from lockstep_workers.episodes import single_turn
-    from lockstep_workers.trainer import load_rollout_function
+    from lockstep_workers.trainer.loop import load_rollout_function
 
     assert load_rollout_function(None) is single_turn
     assert load_rollout_function("lockstep_workers.episodes:single_turn") is single_turn
@@ -424,9 +425,9 @@ def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
 
 
 def test_the_trainer_refuses_to_run_without_its_weights_directory(tmp_path: Path) -> None:
-    from lockstep_workers.pod import PodEnvironment
-    from lockstep_workers.rollouts import ActorService, FixedActors
-    from lockstep_workers.trainer import train
+    from lockstep_workers.rollout.client import ActorService, FixedActors
+    from lockstep_workers.trainer.loop import train
+    from lockstep_workers.trainer.pod import PodEnvironment
 
     env = PodEnvironment(0, 1, ["http://actors:8000"], None, None, None, None, 0)
     actors = ActorService(FixedActors(env.actors))
@@ -444,9 +445,9 @@ def test_the_trainers_top_p_mask_is_vllms() -> None:
 
 
 def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_path: Path) -> None:
-    from lockstep_workers.trainer import Resumption, resumption
-    from lockstep_workers.weights import publish, version_path
-    from lockstep_workers.weights import published as announcement_of
+    from lockstep_workers.trainer.loop import Resumption, resumption
+    from lockstep_workers.weights.files import publish, version_path
+    from lockstep_workers.weights.files import published as announcement_of
 
     model = tiny(tmp_path / "model")
     weights, checkpoints = tmp_path / "weights", tmp_path / "checkpoints"
@@ -473,7 +474,7 @@ def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_
 def test_tied_weights_are_published_once_as_hugging_face_writes_them(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from lockstep_workers.weights import local_path, publish
+    from lockstep_workers.weights.files import local_path, publish
 
     embedding = torch.randn(8, 4)
     weights = publish({"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}, tmp_path, version=1)
@@ -487,8 +488,8 @@ def test_experts_are_published_under_their_checkpoint_names_and_resume_in_the_mo
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers import sharding
-    from lockstep_workers.weights import local_path, publish
+    from lockstep_workers.trainer import sharding
+    from lockstep_workers.weights.files import local_path, publish
 
     directory = create_tiny_model(family(name), tmp_path / "model")
     causal_lm = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -611,8 +612,8 @@ def _rank(
     config: PodConfig | None = None,
     moe_layers: int = 0,
 ) -> None:
-    from lockstep_workers.pod import PodEnvironment
-    from lockstep_workers.trainer import train
+    from lockstep_workers.trainer.loop import train
+    from lockstep_workers.trainer.pod import PodEnvironment
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -665,7 +666,7 @@ def run_trainer(
 def published(shared: Path, version: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from lockstep_workers.weights import version_path, weights_directory
+    from lockstep_workers.weights.files import version_path, weights_directory
 
     return load_file(str(version_path(weights_directory(shared), version)))
 
@@ -673,7 +674,7 @@ def published(shared: Path, version: int) -> dict[str, torch.Tensor]:
 def checkpointed(shared: Path, step: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from lockstep_workers.checkpoint import checkpoints_directory, step_path
+    from lockstep_workers.trainer.checkpoint import checkpoints_directory, step_path
 
     flat = shared / f"step-{step}.pt"
     dcp_to_torch_save(step_path(checkpoints_directory(shared), step), flat)
@@ -754,7 +755,7 @@ def _gather_then_step(rank: int, model: str, out: str) -> None:
     """One rank: the full state dict, then an optimizer step; saves the state dict as gathered and after the step."""
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers import sharding
+    from lockstep_workers.trainer import sharding
 
     torch.set_num_threads(1)
     mesh = sharding.start(rank, 1, torch.device("cpu"))
@@ -788,7 +789,7 @@ def _learn_with_and_without_activation_checkpointing(rank: int, model: str, out:
     attention's inputs had (hidden states and RoPE's cos) and its weights after the step."""
     from transformers import AutoModelForCausalLM
 
-    from lockstep_workers import sharding
+    from lockstep_workers.trainer import sharding
 
     torch.set_num_threads(1)
     mesh = sharding.start(rank, 1, torch.device("cpu"))
@@ -981,7 +982,7 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lockstep_workers.tracking import run_directory
+    from lockstep_workers.trainer.tracking import run_directory
 
     run = EventAccumulator(str(run_directory(tmp_path / "resumed")))
     run.Reload()
@@ -1040,10 +1041,10 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
 
     from safetensors import safe_open
 
-    from lockstep_workers import lora
-    from lockstep_workers.checkpoint import checkpoints_directory
-    from lockstep_workers.trainer import _check_adapter
-    from lockstep_workers.weights import version_path, weights_directory
+    from lockstep_workers.trainer.checkpoint import checkpoints_directory
+    from lockstep_workers.trainer.loop import _check_adapter
+    from lockstep_workers.weights import lora
+    from lockstep_workers.weights.files import version_path, weights_directory
 
     model = create_tiny_llama(tmp_path / "model")
     straight = run_trainer(1, model, tmp_path / "straight", steps=4, settings=LORA)

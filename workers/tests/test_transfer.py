@@ -28,8 +28,8 @@ def test_a_manifest_asked_for_by_many_at_once_hashes_its_file_once(
     """Every actor of a barrier and the sender ask for a version's manifest as the barrier opens."""
     import torch
 
-    from lockstep_workers import transfer
-    from lockstep_workers.weights import digest_of, publish, version_path
+    from lockstep_workers.weights import transfer
+    from lockstep_workers.weights.files import digest_of, publish, version_path
 
     publish({"w": torch.ones(4)}, tmp_path, version=7)
     hashing, go_on = threading.Event(), threading.Event()
@@ -61,8 +61,8 @@ def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_pa
     import torch
 
     from lockstep_e2e.cluster import free_port
-    from lockstep_workers.transfer import ManifestServer, fetch_manifest, manifest_uri
-    from lockstep_workers.weights import publish
+    from lockstep_workers.weights.files import publish
+    from lockstep_workers.weights.transfer import ManifestServer, fetch_manifest, manifest_uri
 
     state = {"a.weight": torch.ones(2, 3), "b.bias": torch.zeros(4, dtype=torch.bfloat16)}
     published = publish(state, tmp_path, version=3)
@@ -99,10 +99,10 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_e2e.cluster import free_port
-    from lockstep_workers.actor import Actor, applied_settings, engine_args
+    from lockstep_workers.actor.server import Actor, applied_settings, engine_args
     from lockstep_workers.tiny_model import cpu_vllm_settings, create_tiny_llama
-    from lockstep_workers.transfer import ManifestServer, StagedTransfer, manifest_of, manifest_uri, send
-    from lockstep_workers.weights import version_path
+    from lockstep_workers.weights.files import version_path
+    from lockstep_workers.weights.transfer import ManifestServer, StagedTransfer, manifest_of, manifest_uri, send
 
     # Tied: vLLM's update_weights loads the embeddings and left the head's repacked copy stale (transfer.receive)
     model_dir = create_tiny_llama(tmp_path / "model", tie_word_embeddings=True)

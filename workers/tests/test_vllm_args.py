@@ -13,7 +13,7 @@ import pytest
 
 from lockstep.api import VllmSettings
 from lockstep.parity import default_policy
-from lockstep_workers.vllm_args import EngineArgsDescription, UnsupportedSetting, installed_vllm, map_settings
+from lockstep_workers.actor.vllm_args import EngineArgsDescription, UnsupportedSetting, installed_vllm, map_settings
 
 LOCKED = default_policy().spec.vllm
 APPLIED = {

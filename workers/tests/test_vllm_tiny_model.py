@@ -30,7 +30,7 @@ def test_generates_with_processed_logprobs_matching_the_trainer_forward(tiny_mod
 
     from lockstep.api import DType
     from lockstep_workers import export
-    from lockstep_workers.weights import publish, version_path
+    from lockstep_workers.weights.files import publish, version_path
 
     publish(load_file(str(tiny_model / "model.safetensors")), tmp_path / "weights", 1)
     exported = tmp_path / "exported"

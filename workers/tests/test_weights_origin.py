@@ -19,10 +19,9 @@ import torch
 
 from lockstep.api import WeightSyncBackend
 from lockstep.protocol import BarrierPhase, Command, Weights
-from lockstep_workers.actor import Actor, LoopEngine, weights_origin
-from lockstep_workers.agent import AgentCore
-from lockstep_workers.transfer import TrainerManifests, manifest_uri
-from lockstep_workers.weights import (
+from lockstep_workers.actor.server import Actor, LoopEngine, weights_origin
+from lockstep_workers.agent.core import AgentCore
+from lockstep_workers.weights.files import (
     RETAIN_SECONDS,
     DigestMismatch,
     RefusedWeights,
@@ -31,6 +30,7 @@ from lockstep_workers.weights import (
     local_path,
     publish,
 )
+from lockstep_workers.weights.transfer import TrainerManifests, manifest_uri
 
 TENSORS = {"w": torch.arange(4, dtype=torch.float32)}
 

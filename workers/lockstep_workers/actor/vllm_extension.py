@@ -5,13 +5,13 @@ On this vLLM's CPU backend the linear weights are repacked after loading, so a p
 re-derive what vLLM derives from a weight that the checkpoint does not name: a head tied to the embeddings is not
 in a Hugging Face checkpoint, so its repacked copy kept the old head after every update (measured on
 SmolLM2-135M-Instruct: 2.04 nats). So after each reload the tied modules are tied again and re-processed, and then
-every module is checked against the published tensors (lockstep_workers.load_check) before the actor may resume.
+every module is checked against the published tensors (lockstep_workers.actor.load_check) before the actor may resume.
 Before each reload (a file's or a transfer group's), the mixture-of-experts layers are made to redo the processing
 vLLM's CPU backend skips on a reload (prepare_moe_reload).
 Reached only through AsyncLLM.collective_rpc inside the actor process, never over HTTP.
 
 Importing it (vLLM does, in every worker process, before the model loads) also registers the gloo
-weight-transfer engine with vLLM's factory (lockstep_workers.gloo_engine).
+weight-transfer engine with vLLM's factory (lockstep_workers.weights.gloo_engine).
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-from lockstep_workers.load_check import LoadReport, check_loaded, retie, tied_groups
-from lockstep_workers.transfer import GLOO_ENGINE
-from lockstep_workers.weights import tensors
+from lockstep_workers.actor.load_check import LoadReport, check_loaded, retie, tied_groups
+from lockstep_workers.weights.files import tensors
+from lockstep_workers.weights.transfer import GLOO_ENGINE
 
 with contextlib.suppress(ValueError):  # "already registered": this module was imported before
-    WeightTransferEngineFactory.register_engine(GLOO_ENGINE, "lockstep_workers.gloo_engine", "GlooWeightTransferEngine")
+    WeightTransferEngineFactory.register_engine(
+        GLOO_ENGINE, "lockstep_workers.weights.gloo_engine", "GlooWeightTransferEngine"
+    )
 
 
 def prepare_moe_reload(model: torch.nn.Module) -> None:

@@ -172,7 +172,7 @@ def publish(
     metadata: Mapping[str, str] | None = None,
 ) -> Weights:
     """Write ``tensors`` as weights version ``version``, with the header's ``metadata`` (a LoRA adapter's config,
-    lockstep_workers.lora); return what to announce (its file, digest and size). Larger elements come first, as
+    lockstep_workers.weights.lora); return what to announce (its file, digest and size). Larger elements come first, as
     safetensors orders them, so every tensor is aligned to its element size. As ``publish_layers``."""
     untied = _untied(tensors)
     ordered = {name: untied[name] for name in sorted(untied, key=lambda name: (-untied[name].element_size(), name))}
@@ -367,7 +367,8 @@ SAFETENSORS_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-"""torch's dtypes → the safetensors format's names (the one table of them; lockstep_workers.transfer reads it too)."""
+"""torch's dtypes → the safetensors format's names (the one table of them; lockstep_workers.weights.transfer reads it
+too)."""
 
 
 def fsync_directory(directory: Path) -> None:

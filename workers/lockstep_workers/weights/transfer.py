@@ -38,7 +38,7 @@ from lockstep.api import WeightSyncBackend
 from lockstep.origin import TrainerManifest
 from lockstep.protocol import TransferGroup, Weights
 from lockstep.schema import Model
-from lockstep_workers.weights import (
+from lockstep_workers.weights.files import (
     SAFETENSORS_DTYPES,
     RefusedWeights,
     VerifiedWeights,
@@ -48,7 +48,7 @@ from lockstep_workers.weights import (
 )
 
 if TYPE_CHECKING:
-    from lockstep_workers.agent import Staged
+    from lockstep_workers.agent.core import Staged
 
 logger = logging.getLogger("lockstep.transfer")
 
@@ -296,12 +296,12 @@ async def receive(llm: Any, staged: StagedTransfer, backend: WeightSyncBackend) 
     }
     await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
     try:
-        # the ties, recorded before any update can break them, and the experts (lockstep_workers.vllm_extension):
+        # the ties, recorded before any update can break them, and the experts (lockstep_workers.actor.vllm_extension):
         # only once the group is formed, as the engine must not serve in between
         await llm.collective_rpc("lockstep_prepare_update")
         await llm.start_weight_update()
         await llm.update_weights(WeightTransferUpdateRequest(update_info=manifest.update_info()))
         await llm.finish_weight_update()
-        await llm.collective_rpc("lockstep_retie")  # a tied head's derived copy (lockstep_workers.vllm_extension)
+        await llm.collective_rpc("lockstep_retie")  # a tied head's derived copy (lockstep_workers.actor.vllm_extension)
     finally:
         await llm.shutdown_weight_transfer_engine()

@@ -4,7 +4,7 @@ job's steps.
 
 The schedule is a function of the step alone (``learning_rate_factor``): a resumed trainer starts it at its first
 step, and the checkpoint's step is all the state it needs; the optimizer's own state (AdamW's moments and step
-counts) is in the checkpoint (lockstep_workers.checkpoint).
+counts) is in the checkpoint (lockstep_workers.trainer.checkpoint).
 """
 
 from __future__ import annotations

@@ -2,27 +2,27 @@
 job's PodConfig ($LOCKSTEP_CONFIG: spec.trainer's training fields, rendered by the operator).
 
 Every rank computes on its accelerator (``cuda:$LOCAL_RANK``, else the CPU) and holds a shard of the model (FSDP2,
-lockstep_workers.sharding) in a torch.distributed group ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT: NCCL on GPUs,
-gloo on CPUs). Each step rank 0 takes its prompts from the job's dataset (lockstep_workers.dataset) or prompt source,
-samples rollouts from the actors (lockstep_workers.rollouts), scores them with the job's reward function in a process
-pool (lockstep_workers.scoring) and hands each rank whole prompt groups to learn from (lockstep_workers.learner); every
-spec.trainer.eval.everySteps steps it first evaluates the weights the step starts from on the eval split. Rank 0's
-rollout producer (lockstep_workers.pipeline) keeps spec.trainer.rollout.groupsInFlight prompt groups in flight on the
-actors through learning, publishing and weight updates, within spec.trainer.maxLag; each step takes its groups as soon
-as they are finished and scored. The full
+lockstep_workers.trainer.sharding) in a torch.distributed group ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT: NCCL on
+GPUs, gloo on CPUs). Each step rank 0 takes its prompts from the job's dataset (lockstep_workers.rollout.dataset) or
+prompt source, samples rollouts from the actors (lockstep_workers.rollout.client), scores them with the job's reward
+function in a process pool (lockstep_workers.rollout.scoring) and hands each rank whole prompt groups to learn from
+(lockstep_workers.trainer.learner); every spec.trainer.eval.everySteps steps it first evaluates the weights the step
+starts from on the eval split. Rank 0's rollout producer (lockstep_workers.rollout.producer) keeps
+spec.trainer.rollout.groupsInFlight prompt groups in flight on the actors through learning, publishing and weight
+updates, within spec.trainer.maxLag; each step takes its groups as soon as they are finished and scored. The full
 weights, gathered from the shards, are published under $LOCKSTEP_SHARED_DIR/weights and announced on rank 0's pod (the
 operator runs the barrier) in the background, while the next step runs; the step's metrics go to
-$LOCKSTEP_SHARED_DIR/metrics.jsonl and to Prometheus (lockstep_workers.pod), and with spec.trainer.tracking to
-TensorBoard (lockstep_workers.tracking); with spec.output rank 0 writes the model, servable (lockstep_workers.export),
-at the end and every spec.output.everySteps. Every spec.trainer.checkpointEverySteps the
-ranks save their shards (lockstep_workers.checkpoint). With a collective backend ($LOCKSTEP_WEIGHT_SYNC nccl or gloo)
-rank 0 also serves each version's manifest and sends the weights itself, as a member of each barrier
-(lockstep_workers.transfer). Rollouts of the next step are sampled while the actors take the update in flight; each
-token carries the version it was sampled under, and the mismatch is measured on the tokens of the trainer's own version.
-With spec.trainer.lora the base model is frozen and a PEFT LoRA adapter trains (lockstep_workers.lora): each version,
-checkpoint and optimizer state is the adapter's alone. A mixture-of-experts model's steps record its routing
-(lockstep_workers.routing); with the PodConfig's routingReplay its layers compute each sample with the experts the
-actors routed it to.
+$LOCKSTEP_SHARED_DIR/metrics.jsonl and to Prometheus (lockstep_workers.trainer.pod), and with spec.trainer.tracking to
+TensorBoard (lockstep_workers.trainer.tracking); with spec.output rank 0 writes the model, servable
+(lockstep_workers.export), at the end and every spec.output.everySteps. Every spec.trainer.checkpointEverySteps the
+ranks save their shards (lockstep_workers.trainer.checkpoint). With a collective backend ($LOCKSTEP_WEIGHT_SYNC nccl or
+gloo) rank 0 also serves each version's manifest and sends the weights itself, as a member of each barrier
+(lockstep_workers.weights.transfer). Rollouts of the next step are sampled while the actors take the update in flight;
+each token carries the version it was sampled under, and the mismatch is measured on the tokens of the trainer's own
+version. With spec.trainer.lora the base model is frozen and a PEFT LoRA adapter trains (lockstep_workers.weights.lora):
+each version, checkpoint and optimizer state is the adapter's alone. A mixture-of-experts model's steps record its
+routing (lockstep_workers.trainer.routing); with the PodConfig's routingReplay its layers compute each sample with the
+experts the actors routed it to.
 """
 
 from __future__ import annotations
@@ -49,13 +49,16 @@ from lockstep import environment, tracing
 from lockstep.api import DType, MismatchBudget, Output, RolloutSettings, TrainerNumerics, Training
 from lockstep.podconfig import PodConfig
 from lockstep.protocol import OutputResult, Weights
-from lockstep_workers import checkpoint, export, lora, optimization, sharding, traces
-from lockstep_workers.dataset import DatasetError, Prompt, PromptDataset
+from lockstep_workers import export
 from lockstep_workers.episodes import RolloutFunction, single_turn
-from lockstep_workers.learner import Policy, Rollout, across_ranks, lag_of, learn
-from lockstep_workers.objective import ONPOLICY_MISMATCH
-from lockstep_workers.pipeline import Group, RolloutProducer, Schedule, StepGroups
-from lockstep_workers.pod import (
+from lockstep_workers.rollout.client import Actors, ActorService, discovery
+from lockstep_workers.rollout.dataset import DatasetError, Prompt, PromptDataset
+from lockstep_workers.rollout.producer import Group, RolloutProducer, Schedule, StepGroups
+from lockstep_workers.rollout.scoring import RewardInput, Scorer, Scores, load_callable
+from lockstep_workers.trainer import checkpoint, optimization, sharding, traces
+from lockstep_workers.trainer.learner import Policy, Rollout, across_ranks, lag_of, learn
+from lockstep_workers.trainer.objective import ONPOLICY_MISMATCH
+from lockstep_workers.trainer.pod import (
     EVAL_REWARD,
     EVAL_ROWS,
     LAG_PREFIX,
@@ -70,12 +73,10 @@ from lockstep_workers.pod import (
     report_output,
     step_reports,
 )
-from lockstep_workers.rollouts import Actors, ActorService, discovery
-from lockstep_workers.scoring import RewardInput, Scorer, Scores, load_callable
-from lockstep_workers.shaping import masked_if_cut, overlong_metrics, penalties
-from lockstep_workers.tracking import Runs, open_runs
-from lockstep_workers.transfer import manifest_uri
-from lockstep_workers.weights import (
+from lockstep_workers.trainer.shaping import masked_if_cut, overlong_metrics, penalties
+from lockstep_workers.trainer.tracking import Runs, open_runs
+from lockstep_workers.weights import lora
+from lockstep_workers.weights.files import (
     Publisher,
     StreamedPublish,
     newest_version,
@@ -84,6 +85,7 @@ from lockstep_workers.weights import (
     verified_path,
     version_path,
 )
+from lockstep_workers.weights.transfer import manifest_uri
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -172,7 +174,8 @@ class TrainedModel:
         """What a version publishes: its layout (the file's tensors in order, on the meta device for full weights)
         and its layers, gathered from the shards onto rank 0 as they are iterated (a collective every rank iterates
         to its end; empty on the other ranks): the whole model in its checkpoint's names, a decoder layer at a time
-        (lockstep_workers.sharding), or the adapter alone under PEFT's file names (lockstep_workers.lora), at once."""
+        (lockstep_workers.trainer.sharding), or the adapter alone under PEFT's file names
+        (lockstep_workers.weights.lora), at once."""
         if self.adapter is None:
             return sharding.checkpoint_layout(self.causal_lm), sharding.gathered_layers(self.causal_lm)
         adapter = lora.file_names(sharding.full_state_dict(self.causal_lm, trainable_only=True))
@@ -189,8 +192,8 @@ class TrainedModel:
 
 def build(model_path: str, settings: Training, config: PodConfig | None, mesh: Any) -> TrainedModel:
     """Every rank: the model at ``model_path`` in fp32, with spec.trainer.lora's adapter injected (PEFT) when set,
-    sharded over ``mesh`` (lockstep_workers.sharding) with the job's numerics (``config``; outside an RLJob's pod the
-    policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. With a KL
+    sharded over ``mesh`` (lockstep_workers.trainer.sharding) with the job's numerics (``config``; outside an RLJob's
+    pod the policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. With a KL
     coefficient and no LoRA, a second copy of the model, frozen and sharded alike (fp32 parameters, no gradients
     and no optimizer state: a quarter more than the trained copy's parameters, gradients and AdamW moments), is the
     reference: the model the job started from, also after a restart (in host memory with klReferenceOffload). A
@@ -326,8 +329,8 @@ class Prompts:
         return [Prompt(ids, self.tokenizer.decode(ids), {}) for ids in token_ids]
 
     def at(self, position: int) -> Prompt:
-        """The prompt at ``position`` in the job's sequence (lockstep_workers.pipeline): step position // count + 1's
-        prompt position % count, ``count`` the prompts each step draws."""
+        """The prompt at ``position`` in the job's sequence (lockstep_workers.rollout.producer): step position // count
+        + 1's prompt position % count, ``count`` the prompts each step draws."""
         count = self.settings.rollout.prompts_drawn_per_step
         step = position // count + 1
         if step not in self._steps:
@@ -800,7 +803,3 @@ def main() -> None:
     function = load_rollout_function(settings.rollout.function)
     actors = ActorService(discovery(env.actors_service, env.namespace, env.actors), function=function)
     train(options.model, settings, env, actors)
-
-
-if __name__ == "__main__":
-    main()

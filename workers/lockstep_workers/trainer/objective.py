@@ -39,7 +39,7 @@ from lockstep.api import (
     Objective,
     RolloutCorrection,
 )
-from lockstep_workers.routing import routing_metrics
+from lockstep_workers.trainer.routing import routing_metrics
 
 LOG_WEIGHT_BOUND = 20.0
 """Log importance weights are clamped to [-20, 20] before exp (verl's SAFETY_BOUND): a sequence's product of token

@@ -4,7 +4,7 @@ barrier agent that pauses, reloads and resumes it.
 ``python -m lockstep_workers.actor --model=PATH --port=8000 [vLLM flags]``, as lockstep.podconfig.actor_args renders
 it; the weight-update semantics come from the job's PodConfig ($LOCKSTEP_CONFIG).
 
-The vLLM settings are mapped onto the installed vLLM first (lockstep_workers.vllm_args): a setting it cannot
+The vLLM settings are mapped onto the installed vLLM first (lockstep_workers.actor.vllm_args): a setting it cannot
 honour stops the actor (exit 1, naming the setting and why) before vLLM starts.
 
 HTTP: ``POST /generate`` ({"prompt_token_ids": [...], "sampling": {...}} → token ids, their
@@ -20,7 +20,7 @@ barrier agent, which acts on commands the operator writes on this pod, and only 
 (``weights_origin``).
 
 Weights arrive as files on the shared volume, or (spec.weightSync.backend nccl or gloo, in
-$LOCKSTEP_WEIGHT_SYNC) sent by the trainer into vLLM's weight-transfer engine (lockstep_workers.transfer).
+$LOCKSTEP_WEIGHT_SYNC) sent by the trainer into vLLM's weight-transfer engine (lockstep_workers.weights.transfer).
 With those, a new actor cannot fetch the job's committed weights by itself: it reports ready only once a
 barrier has brought it to them.
 """
@@ -48,20 +48,20 @@ from lockstep import environment
 from lockstep.api import PauseMode, VllmSettings, WeightSyncBackend, WeightUpdateSemantics
 from lockstep.podconfig import ActorArgs, PodConfig, load_pod_config, parse_actor_args
 from lockstep.protocol import TransferGroup, Weights
-from lockstep_workers.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id, base_adapter
-from lockstep_workers.architectures import (
+from lockstep_workers.actor.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id, base_adapter
+from lockstep_workers.actor.architectures import (
     UnsupportedArchitecture,
     check_architecture,
     moe_engine_args,
     vllm_has_triton,
 )
-from lockstep_workers.group import node_of, placement
-from lockstep_workers.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
-from lockstep_workers.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
-from lockstep_workers.weights import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
+from lockstep_workers.actor.group import node_of, placement
+from lockstep_workers.actor.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
+from lockstep_workers.weights.files import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
+from lockstep_workers.weights.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 
 if TYPE_CHECKING:
-    from lockstep_workers.agent import Staged
+    from lockstep_workers.agent.core import Staged
 
 logger = logging.getLogger("lockstep.actor")
 
@@ -111,7 +111,7 @@ def engine_args(
 ) -> Any:
     """vLLM's AsyncEngineArgs for the applied settings, with the weight-reload extension, for a collective backend
     vLLM's weight-transfer engine, for a LoRA job vLLM's LoRA adapters, and for a pod of an actor group its
-    ``placement`` (lockstep_workers.group)."""
+    ``placement`` (lockstep_workers.actor.group)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs: dict[str, Any] = dict(applied.engine_args) | (placement or {})
@@ -119,7 +119,9 @@ def engine_args(
         kwargs["weight_transfer_config"] = {"backend": VLLM_ENGINE[backend]}
     if lora is not None:
         kwargs.update(lora.engine_args())
-    return AsyncEngineArgs(model=model, worker_extension_cls="lockstep_workers.vllm_extension.WeightReloader", **kwargs)
+    return AsyncEngineArgs(
+        model=model, worker_extension_cls="lockstep_workers.actor.vllm_extension.WeightReloader", **kwargs
+    )
 
 
 class BadRequest(ValueError):
@@ -138,7 +140,7 @@ class Actor:
     With ``lora`` (a LoRA job) each version is a vLLM adapter, loaded beside the others while the engine
     generates: nothing pauses. A request is served under the adapter that was ``serving`` when it started, for its
     whole life (each of its tokens carries that version); ``resume`` points new requests at the loaded version, and
-    an adapter more than maxLag versions behind goes once its requests have finished (lockstep_workers.adapters).
+    an adapter more than maxLag versions behind goes once its requests have finished (lockstep_workers.actor.adapters).
     """
 
     def __init__(
@@ -236,7 +238,7 @@ class Actor:
             await receive(self.llm, source, self.backend)
         elif self.adapters is not None and self.adapter_files is not None:
             await self._add_adapter(weights.version, source.path)
-        else:  # every worker checks that it computes with the file's tensors (lockstep_workers.load_check)
+        else:  # every worker checks that it computes with the file's tensors (lockstep_workers.actor.load_check)
             reports = await self.llm.collective_rpc("lockstep_reload", args=(source.path,))
             logger.info("weights version %d loaded and checked in every vLLM worker: %s", weights.version, reports)
         self.loaded = weights.version
@@ -289,7 +291,7 @@ class Actor:
         await self._register(version, self.adapter_files.write(version, verified))
 
     async def _load_base_adapter(self) -> None:
-        """Load version 0, the base model as an adapter of zeros (lockstep_workers.adapters), before any request
+        """Load version 0, the base model as an adapter of zeros (lockstep_workers.actor.adapters), before any request
         or other version; built in a thread, once."""
         assert self.adapters is not None and self.adapter_files is not None and self.lora is not None
         async with self._base_lock:
@@ -337,7 +339,7 @@ def _not_finite(path: Path) -> list[str]:
     """The names of the tensors in the safetensors file at ``path`` that hold a NaN or an infinite value."""
     import torch
 
-    from lockstep_workers.weights import tensors
+    from lockstep_workers.weights.files import tensors
 
     return [name for name, tensor in tensors(path) if not bool(torch.isfinite(tensor).all())]
 
@@ -493,20 +495,21 @@ async def serve(options: ActorArgs, applied: AppliedSettings, config: PodConfig 
 
 def leader_placement(options: ActorArgs) -> dict[str, Any] | None:
     """An actor group's engine arguments for its leader, where the actor runs; None for a single-pod actor. Exits
-    on a worker pod, which runs lockstep_workers.headless instead."""
+    on a worker pod, which runs lockstep_workers.actor.headless instead."""
     if options.group is None:
         return None
     node = node_of(os.environ, options.group)
     if node.rank != 0:
         raise SystemExit(
             f"{environment.GROUP_WORKER_INDEX}={node.rank}: the actor runs on its group's leader (index 0); the "
-            "group's other pods run python -m lockstep_workers.headless with the same arguments"
+            "group's other pods run python -m lockstep_workers.actor.headless with the same arguments"
         )
     return placement(options.group, node)
 
 
 def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOrigin) -> Any:
-    from lockstep_workers.agent import AgentCore, PodAgent, pod_api
+    from lockstep_workers.agent.core import AgentCore
+    from lockstep_workers.agent.pod_agent import PodAgent, pod_api
 
     engine = LoopEngine(actor, loop, origin)
     return PodAgent(
@@ -516,7 +519,7 @@ def _pod_agent(actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOri
 
 def with_moe_engine_args(applied: AppliedSettings, model: str, config: PodConfig | None) -> AppliedSettings:
     """``applied``, with the engine arguments the job's LoRA adapter and routing replay need on ``model``
-    (lockstep_workers.architectures.moe_engine_args; raises UnsupportedArchitecture where this vLLM cannot)."""
+    (lockstep_workers.actor.architectures.moe_engine_args; raises UnsupportedArchitecture where this vLLM cannot)."""
     lora = config is not None and config.training.lora is not None
     replay = config is not None and config.routing_replay
     needed = moe_engine_args(model, lora=lora, routing_replay=replay, has_triton=vllm_has_triton())
@@ -540,7 +543,3 @@ def command_line() -> tuple[ActorArgs, AppliedSettings, PodConfig | None]:
 
 def main() -> None:
     asyncio.run(serve(*command_line()))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ LeaderWorkerSet (``LWS_WORKER_INDEX``, ``LWS_LEADER_ADDRESS``); then vLLM's own 
 group goes. Weights reach these ranks through the leader's engine (its collective_rpc and transfer group), never
 through this process.
 
-Run as ``python -m lockstep_workers.headless --model=... --group=...``.
+Run as ``python -m lockstep_workers.actor.headless --model=... --group=...``.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import dataclasses
 import os
 
 from lockstep import environment
-from lockstep_workers.actor import backend_of, command_line, engine_args, lora_engine
-from lockstep_workers.group import node_of, placement
+from lockstep_workers.actor.group import node_of, placement
+from lockstep_workers.actor.server import backend_of, command_line, engine_args, lora_engine
 
 
 def main() -> None:
     options, applied, config = command_line()
     if options.group is None:
-        raise SystemExit("lockstep_workers.headless runs a worker pod of an actor group: it needs --group")
+        raise SystemExit("lockstep_workers.actor.headless runs a worker pod of an actor group: it needs --group")
     node = node_of(os.environ, options.group)
     if node.rank == 0:
         raise SystemExit(

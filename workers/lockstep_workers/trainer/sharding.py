@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lockstep_workers.learner import Policy
+from lockstep_workers.trainer.learner import Policy
 
 
 def accelerator(local_rank: int) -> torch.device:

@@ -20,16 +20,16 @@ from lockstep import environment, keys
 from lockstep.api import BudgetMetric, WeightSyncBackend
 from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import EvalResult, Mismatch, OutputResult, Weights, document
-from lockstep_workers import routing
-from lockstep_workers.checkpoint import checkpoints_directory
-from lockstep_workers.objective import ONPOLICY_MISMATCH
-from lockstep_workers.scoring import RewardInput
-from lockstep_workers.transfer import ManifestServer, Sender
-from lockstep_workers.weights import weights_directory
+from lockstep_workers.rollout.scoring import RewardInput
+from lockstep_workers.trainer import routing
+from lockstep_workers.trainer.checkpoint import checkpoints_directory
+from lockstep_workers.trainer.objective import ONPOLICY_MISMATCH
+from lockstep_workers.weights.files import weights_directory
+from lockstep_workers.weights.transfer import ManifestServer, Sender
 
 if TYPE_CHECKING:
-    from lockstep_workers.agent import AgentCore
-    from lockstep_workers.tracking import Runs
+    from lockstep_workers.agent.core import AgentCore
+    from lockstep_workers.trainer.tracking import Runs
 
 logger = logging.getLogger("lockstep.trainer")
 
@@ -92,13 +92,14 @@ costs the trainer: ``publish_gather_seconds``, the gather of the full weights fr
 ``publish_wait_seconds``, how long rank 0 waited for the previous version's publish since it handed that one over
 (before a checkpoint, before this one, or until the actors could serve it, spec.trainer.maxLag); and, off the
 trainer's path, ``publish_seconds``, the background write, hash, flush and rename of this version. Where the rest
-of the step went (lockstep_workers.pipeline): ``learn_seconds``, learning; ``rollout_wait_seconds``, waiting for
+of the step went (lockstep_workers.rollout.producer): ``learn_seconds``, learning; ``rollout_wait_seconds``, waiting for
 the step's groups; the tokens the actors generated and the step learned per second since the previous step; how
 many learned sequences span weights versions; and ``actor_busy_fraction``, the actors' mean share of that time with
 a request in progress, by their own count (only when they report it). With dynamic sampling
 (spec.trainer.rollout.dynamicSampling, and only then): ``dropped_groups``, ``extra_groups`` and ``unfilled_groups``
-(lockstep_workers.pipeline.StepGroups). ``truncated_fraction``, the share of the step's completions cut at maxTokens,
-and with spec.trainer.rollout.overlong's penalty ``overlong_penalty``, its mean (lockstep_workers.shaping)."""
+(lockstep_workers.rollout.producer.StepGroups). ``truncated_fraction``, the share of the step's completions cut at
+maxTokens, and with spec.trainer.rollout.overlong's penalty ``overlong_penalty``, its mean
+(lockstep_workers.trainer.shaping)."""
 GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
 LAG_PREFIX, LAG_SUFFIX = "lag_", "_sequences"
 """A step's ``lag_<n>_sequences``: how many of its sequences' oldest tokens are n versions behind its weights."""
@@ -218,7 +219,7 @@ def report_output(output: OutputResult, namespace: str, pod: str) -> None:
 
 def _annotate(namespace: str, pod: str, annotations: Mapping[str, str]) -> None:
     """Merge ``annotations`` into this trainer pod's own."""
-    from lockstep_workers.agent import pod_api
+    from lockstep_workers.agent.pod_agent import pod_api
 
     pod_api().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": dict(annotations)}})
 
@@ -259,7 +260,7 @@ def committed_weights(env: PodEnvironment) -> Weights | None:
     """The job's committed weights, as the operator recorded them on this pod (none outside a cluster)."""
     if not (env.pod and env.namespace):
         return None
-    from lockstep_workers.agent import initial_weights, pod_api
+    from lockstep_workers.agent.pod_agent import initial_weights, pod_api
 
     return initial_weights(pod_api(), env.namespace, env.pod)
 
@@ -273,7 +274,7 @@ def record(
 ) -> None:
     """Append the step to metrics.jsonl (and log the same line to the ``tracking`` runs, spec.trainer.tracking) and set
     its gauges; the on-policy mismatch of a step that measured none is null there (left out of TensorBoard) and NaN
-    in its gauge, and so are an MoE step's routing metrics that measured nothing (lockstep_workers.routing)."""
+    in its gauge, and so are an MoE step's routing metrics that measured nothing (lockstep_workers.trainer.routing)."""
     line = {
         "step": step,
         "version": step,
@@ -320,7 +321,8 @@ class Sending:
     """How long ``close`` waits for this pod's part in the last barrier."""
 
     def __init__(self, env: PodEnvironment) -> None:
-        from lockstep_workers.agent import AgentCore, PodAgent, pod_api
+        from lockstep_workers.agent.core import AgentCore
+        from lockstep_workers.agent.pod_agent import PodAgent, pod_api
 
         self.server = ManifestServer(env.weights_dir, env.weights_port, env.rendezvous)
         self.stop = threading.Event()

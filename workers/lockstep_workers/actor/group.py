@@ -2,8 +2,8 @@
 LeaderWorkerSet group, through vLLM's own multi-node launch (its multiprocessing executor across nodes; no Ray).
 
 The leader pod runs the actor (lockstep_workers.actor: the engine's API, the barrier agent) as node 0; each worker pod
-runs lockstep_workers.headless, vLLM's headless ranks, as node ``LWS_WORKER_INDEX``. Every pod of the group gets the
-same command line (lockstep.podconfig.actor_args with ``--group``), so the same locked settings; ``placement`` turns
+runs lockstep_workers.actor.headless, vLLM's headless ranks, as node ``LWS_WORKER_INDEX``. Every pod of the group gets
+the same command line (lockstep.podconfig.actor_args with ``--group``), so the same locked settings; ``placement`` turns
 the group and the pod's place in it into vLLM's engine arguments.
 """
 

@@ -1,6 +1,6 @@
 """The gloo weight-transfer engine for vLLM's workers (spec.weightSync.backend: gloo): vLLM's NCCL engine
 lifecycle (start, receive and load layer by layer, finish) over a gloo process group, one tensor at a time.
-Registered with vLLM's WeightTransferEngineFactory by lockstep_workers.vllm_extension."""
+Registered with vLLM's WeightTransferEngineFactory by lockstep_workers.actor.vllm_extension."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-from lockstep_workers.transfer import gloo_group
+from lockstep_workers.weights.transfer import gloo_group
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):

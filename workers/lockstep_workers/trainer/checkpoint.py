@@ -4,7 +4,7 @@ spec.trainer.checkpointsKept are kept. Any number of ranks can load one, reshard
 
 ``<shared dir>/checkpoints/step-<N>/`` holds the state after step N, whose weights are published as version N: the
 step is also the position in the job's prompts (the prompt source is called with the step; the dataset's rows of a
-step follow from it, lockstep_workers.dataset). A checkpoint is complete once its ``.metadata`` exists
+step follow from it, lockstep_workers.rollout.dataset). A checkpoint is complete once its ``.metadata`` exists
 (torch.distributed.checkpoint writes it last); an incomplete one is never loaded. A LoRA job's checkpoints hold its
 adapter and the adapter's optimizer state, not the frozen base (``trainable_only``).
 """

@@ -26,7 +26,7 @@ that resumes. The finished groups waiting are at most (maxLag + 1) times the pos
 only once its step is within maxLag + 1 of the version the actors serve.
 
 The shell (``RolloutProducer``) runs the core on an event loop in a thread of its own, with the actors' client
-(lockstep_workers.rollouts: its retries, so a lost actor costs retries, not the step) and the reward; evaluation
+(lockstep_workers.rollout.client: its retries, so a lost actor costs retries, not the step) and the reward; evaluation
 requests go through the same loop, beside the training requests, which they never stop.
 """
 
@@ -40,10 +40,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from lockstep_workers.dataset import Prompt
-from lockstep_workers.learner import Rollout, lag_of
-from lockstep_workers.rollouts import STALE_RESAMPLINGS, VERSION_POLL_SECONDS, Actors, RolloutError
-from lockstep_workers.scoring import RewardInput, Scores
+from lockstep_workers.rollout.client import STALE_RESAMPLINGS, VERSION_POLL_SECONDS, Actors, RolloutError
+from lockstep_workers.rollout.dataset import Prompt
+from lockstep_workers.rollout.scoring import RewardInput, Scores
+from lockstep_workers.trainer.learner import Rollout, lag_of
 
 logger = logging.getLogger("lockstep.trainer")
 

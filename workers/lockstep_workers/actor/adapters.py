@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from lockstep.api import LoraSettings
-from lockstep_workers import lora
+from lockstep_workers.weights import lora
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -1,7 +1,7 @@
 """The learner: token logprobs of sampled completions, group-normalised advantages, and ``learn``, the optimiser
 steps on one batch of rollouts.
 
-The same code runs on one process or on every rank of a sharded trainer (lockstep_workers.sharding): each rank
+The same code runs on one process or on every rank of a sharded trainer (lockstep_workers.trainer.sharding): each rank
 learns from its own prompt groups; the loss of every micro-batch is scaled so that the gradients FSDP averages
 over the ranks, accumulated over a minibatch's micro-batches, are those of the whole minibatch in one pass. Every
 tensor is made on the policy's device; collectives carry only tensors on it (CUDA tensors on NCCL).
@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.api import AdvantageEstimator, Objective
-from lockstep_workers import lora, routing
-from lockstep_workers.objective import Batch, Statistics, loss_denominator, policy_loss
-from lockstep_workers.optimization import clip_gradients
+from lockstep_workers.trainer import routing
+from lockstep_workers.trainer.objective import Batch, Statistics, loss_denominator, policy_loss
+from lockstep_workers.trainer.optimization import clip_gradients
+from lockstep_workers.weights import lora
 
 HEAD_CHUNK_TOKENS = 4096
 """Completion tokens per slice of the final projection. The [tokens, vocabulary] fp32 logits of one slice are the
@@ -46,7 +47,7 @@ class Rollout:
     stay out of the loss); empty: every one."""
     routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
     """An MoE model's routing in the rollout engine: each token's experts in each MoE layer, [tokens, MoE layers,
-    top_k] from the prompt's first token (vLLM's routed_experts; lockstep_workers.routing); None when the engine
+    top_k] from the prompt's first token (vLLM's routed_experts; lockstep_workers.trainer.routing); None when the engine
     returned none."""
 
 
@@ -246,8 +247,8 @@ def _routed(
     measured: dict[str, float] | None = None,
 ) -> Iterator[routing.Routed]:
     """Within: ``token_logprobs`` of ``rollouts`` routes through the MoE routers ``moe`` as
-    lockstep_workers.routing.routed does (replaying the rollouts' engine routings with ``replay``); after it, the
-    statistics of its routing are added to ``measured`` (a dense model's ``moe`` is empty: nothing is recorded)."""
+    lockstep_workers.trainer.routing.routed does (replaying the rollouts' engine routings with ``replay``); after it,
+    the statistics of its routing are added to ``measured`` (a dense model's ``moe`` is empty: nothing is recorded)."""
     attention = attention_mask(rollouts)
     routings = [r.routed_experts for r in rollouts]
     engine = routing.engine_routing(routings, attention.shape[1], device) if moe else None
@@ -371,10 +372,10 @@ def learn(
 
     The staleness bound: with ``version`` and ``max_lag``, a rollout with a token more than ``max_lag`` versions
     behind ``version`` never reaches the loss; it raises ValueError (the trainer drops such samples before,
-    lockstep_workers.rollouts.fresh_rollouts).
+    lockstep_workers.rollout.client.fresh_rollouts).
 
-    An MoE model (lockstep_workers.routing): with ``replay_routing`` every pass of the policy computes each token
-    with the experts of its rollout's engine routing (``Rollout.routed_experts``, where present); the first pass
+    An MoE model (lockstep_workers.trainer.routing): with ``replay_routing`` every pass of the policy computes each
+    token with the experts of its rollout's engine routing (``Rollout.routed_experts``, where present); the first pass
     measures the routing (routing_mismatch against the engine's, expert_load_imbalance), and with
     objective.router_aux_loss_coefficient the loss adds the routers' load-balancing loss. Never otherwise: the
     model's own forward, which adds it with output_router_logits, is not what computes the loss here.
@@ -481,8 +482,8 @@ def _reference_logprobs(
 ) -> torch.Tensor | None:
     """With a KL coefficient, the reference policy's logprobs of the completions ([sequences, ``width``], no
     gradient, 0 where outside its top-p set): ``reference``'s, a frozen copy of the base model, or without one the
-    policy's with its LoRA adapter disabled (lockstep_workers.lora.base_only), through the same head as the policy's;
-    None without a KL coefficient."""
+    policy's with its LoRA adapter disabled (lockstep_workers.weights.lora.base_only), through the same head as the
+    policy's; None without a KL coefficient."""
     if not objective.kl_coefficient:
         return None
     everything = list(range(len(rollouts)))

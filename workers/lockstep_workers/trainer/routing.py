@@ -181,8 +181,8 @@ def engine_routing(
 def routing_statistics(
     moe: Sequence[torch.nn.Module], record: Routed, counted: torch.Tensor, engine: torch.Tensor | None
 ) -> dict[str, float]:
-    """Additive statistics of one forward (lockstep_workers.objective.Statistics sums): each expert's tokens per MoE
-    layer among the ``counted`` ones ([tokens] bool: not padding), and with an ``engine`` routing the (token, layer)
+    """Additive statistics of one forward (lockstep_workers.trainer.objective.Statistics sums): each expert's tokens per
+    MoE layer among the ``counted`` ones ([tokens] bool: not padding), and with an ``engine`` routing the (token, layer)
     pairs compared and those whose top-k sets differ."""
     sums: dict[str, float] = {}
     for layer, router in enumerate(moe):
