@@ -2,8 +2,8 @@
 actor's command line. The operator renders both (lockstep.desired: the job's ConfigMap, the actor pods' args); the
 actor, the trainer and the preflight read them with ``load_pod_config`` and ``parse_actor_args``, and nothing else.
 
-It sits beside protocol.py, not in it: protocol.py's documents are part of the RLJob's status (api.py imports
-them), and a PodConfig is made of api.py's models.
+It sits beside protocol.py, not in it: protocol.py's documents are part of the RLJob's status (api/status.py
+imports them), and a PodConfig is made of lockstep.api's models.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def test_every_field_has_a_description(crd: dict[str, Any]) -> None:
         if not str(field.get("description", "")).strip() and path != f"{crd['spec']['names']['kind']}.metadata"
     ]
     assert not missing, (
-        f"{len(missing)} of {len(found)} fields have no description (api.py Field(description=...)): {missing}"
+        f"{len(missing)} of {len(found)} fields have no description (lockstep.api's Field(description=...)): {missing}"
     )
 
 
