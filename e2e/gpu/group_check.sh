@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 36's actor group on GPUs: the reload of a tensor-parallel engine of two ranks, one GPU each, checked on both
-# shards (workers/tests/test_tensor_parallel_load.py, as on the CPU, with vLLM on CUDA). Never run yet: it needs vLLM's
+# shards (workers/tests/actor/test_load_check.py, as on the CPU, with vLLM on CUDA). Never run yet: it needs vLLM's
 # CUDA build and at least two GPUs, and the device machines lent so far have one GPU and no vLLM
 # (docs/actor-groups.md). The engine split over two pods (the leader's actor and lockstep_workers.actor.headless) is tested
 # on the CPU by e2e/tests/test_rl_job.py's job of a group, which needs the local control plane: not here.
@@ -20,4 +20,4 @@ if ! python3 -c "import vllm" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 export PYTHONPATH="operator:workers:e2e${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cuda
-python3 -m pytest -q -p no:cacheprovider --timeout 600 workers/tests/test_tensor_parallel_load.py
+python3 -m pytest -q -p no:cacheprovider --timeout 600 workers/tests/actor/test_load_check.py

@@ -1,5 +1,5 @@
 """The barrier state machine, one situation at a time (the interleavings are in
-workers/tests/test_barrier_simulation.py)."""
+workers/tests/agent/test_core.py)."""
 
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ def test_mismatch_is_measured_on_sequences_sampled_wholly_under_the_trainers_ver
 
 
 def test_a_sample_older_than_max_lag_never_reaches_the_loss(tmp_path: Path) -> None:
-    """The producer drops such samples before (test_pipeline.py); ``learn`` refuses any that get through."""
+    """The producer drops such samples before (rollout/test_producer.py); ``learn`` refuses any that get through."""
     model = tiny(tmp_path / "model")
     [fresh] = sample(model, [[1, 10, 11]], group=1, length=4)
     stale = Rollout(fresh.prompt, fresh.completion, fresh.logprobs, 0, [3, 4, 5, 5])
@@ -904,7 +904,7 @@ def test_a_trainer_killed_with_rows_sampled_but_not_learned_resumes_without_skip
     never stopped learned, and no row of the epoch twice."""
     from lockstep_workers import text_task
 
-    shipped = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "larger"
+    shipped = Path(__file__).resolve().parents[3] / "examples" / "datasets" / "larger"
     settings = SETTINGS.model_copy(
         update={
             "max_lag": 2,
@@ -951,7 +951,7 @@ def test_a_resumed_trainer_takes_the_same_dataset_rows_and_evaluates_when_due(tm
     4 are written there, each the published version."""
     from lockstep_workers import text_task
 
-    shipped = Path(__file__).resolve().parents[2] / "examples" / "datasets" / "larger"
+    shipped = Path(__file__).resolve().parents[3] / "examples" / "datasets" / "larger"
     settings = SETTINGS.model_copy(
         update={
             "reward": "lockstep_workers.rewards:math_exact_match",

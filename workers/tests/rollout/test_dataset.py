@@ -21,7 +21,7 @@ from lockstep_workers import text_task
 from lockstep_workers.rollout.dataset import DatasetError, PromptDataset, read_rows, step_rows
 
 ROWS = [{"prompt": f"which is larger : {n} or {n + 1} ?", "answer": n + 1, "source": "test"} for n in range(7)]
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[3]
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
