@@ -31,8 +31,9 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import spawn
 
 from lockstep.api import Objective, RolloutCorrection
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.trainer import sharding
-from lockstep_workers.trainer.learner import Policy, Rollout, across_ranks, learn, token_logprobs
+from lockstep_workers.trainer.learner import Policy, across_ranks, learn, token_logprobs
 
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 """Dense bf16 peaks by GPU name (NVIDIA's data sheets, without sparsity)."""

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.tiny_models import VOCABULARY, create_tiny_model, family
 from lockstep_workers.trainer import routing
-from lockstep_workers.trainer.learner import Policy, Rollout, attention_mask, device_of, token_logprobs
+from lockstep_workers.trainer.learner import Policy, attention_mask, device_of, token_logprobs
 
 PROMPT_TOKENS = 40
 """Two full KV blocks of 16 and a part: the later samples of a group find them in the prefix cache, so their

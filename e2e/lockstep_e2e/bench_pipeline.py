@@ -52,8 +52,8 @@ from lockstep_workers.actor.vllm_args import AppliedSettings
 from lockstep_workers.rollout.client import ActorService, FixedActors
 from lockstep_workers.rollout.dataset import Prompt
 from lockstep_workers.rollout.producer import RolloutProducer, Schedule
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.rollout.scoring import Scores
-from lockstep_workers.trainer.learner import Rollout
 
 PROMPTS_PER_STEP = 4
 SAMPLES_PER_PROMPT = 4

@@ -39,7 +39,7 @@ barrier as a pod's agent carries it out: stage (read and verify), pause (a no-op
 verified copy), resume (new requests take the new adapter). For each: the bytes a version moves against the full
 weights', announcement → serving and its parts, the actor's own record (pauseSeconds 0, no pausedAt), tokens/s and
 the longest time with no token over the update windows against the idle ones.
-**memory**, the trainer's share: one ``learner.learn`` step on the model as ``trainer.build`` makes it (fp32, sharded
+**memory**, the trainer's share: one ``learner.learn`` step on the model as ``model.build`` makes it (fp32, sharded
 on 1 rank over gloo, Adam over the parameters that train; for LoRA the adapter injected by ``lora.inject``, the base
 frozen), full weights and LoRA, each in a fresh process, at ``--memory-sizes``: the peak resident memory
 (VmHWM) of the build and of the learn step, and the optimizer state's bytes.
@@ -821,21 +821,22 @@ def _memory_kb(field: str) -> int:
 
 
 def _learn_once(model_dir: str, with_lora: bool, results: Any) -> None:
-    """In a fresh process: build the trainer's model as the trainer does (``trainer.build``: fp32, the adapter
+    """In a fresh process: build the trainer's model as the trainer does (``trainer.model.build``: fp32, the adapter
     injected for LoRA, sharded on 1 rank over gloo, Adam over the parameters that train), run one ``learn`` step on a
     synthetic batch, and put what it used on ``results``."""
     import random
 
     import torch.distributed as dist
 
-    from lockstep_workers.trainer import loop as trainer
+    from lockstep_workers.rollout.record import Rollout
+    from lockstep_workers.trainer import model as trainer_model
     from lockstep_workers.trainer import sharding
-    from lockstep_workers.trainer.learner import Rollout, learn
+    from lockstep_workers.trainer.learner import learn
 
     device = torch.device("cpu")
     mesh = sharding.start(0, 1, device)
     settings = Training(reward="lockstep_workers.rewards:target_words", lora=LoraSettings() if with_lora else None)
-    model = trainer.build(model_dir, settings, None, mesh)
+    model = trainer_model.build(model_dir, settings, None, mesh)
     rss_after_build, peak_build = _memory_kb("VmRSS"), _memory_kb("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     prompts, group, prompt_tokens, completion_tokens = MEMORY_BATCH

@@ -48,7 +48,8 @@ from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model, fa
 if TYPE_CHECKING:
     import torch
 
-    from lockstep_workers.trainer.learner import Policy, Rollout
+    from lockstep_workers.rollout.record import Rollout
+    from lockstep_workers.trainer.learner import Policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -180,8 +181,8 @@ def compare(policy: Policy, rollouts: Sequence[Rollout]) -> Comparison:
 async def sample(actor: Any, version: int, seed: int) -> list[Rollout]:
     """PROMPTS x SAMPLES completions; raises if a token was sampled under another version than ``version``."""
     from lockstep_workers.parity_check import random_prompts
+    from lockstep_workers.rollout.record import Rollout
     from lockstep_workers.tiny_models import VOCABULARY
-    from lockstep_workers.trainer.learner import Rollout
 
     prompts = random_prompts(PROMPTS, 5, VOCABULARY, seed=seed)
     sampling = {"temperature": TEMPERATURE, "max_tokens": TOKENS, "ignore_eos": True}

@@ -53,7 +53,7 @@ def test_a_lora_version_holds_an_adapter_on_every_linear_module_under_peft_names
 
 
 def test_the_memory_part_runs_one_learn_step_with_lora_in_a_fresh_process(tmp_path: Path) -> None:
-    """The LoRA step alone: the full-weights one is the same code (trainer.build and one learn step, without the
+    """The LoRA step alone: the full-weights one is the same code (trainer.model.build and one learn step, without the
     adapter), which the trainer's own tests run (test_trainer.py)."""
     [adapter] = memory_part([TINY], 2, 0.0, tmp_path, modes=(True,))
     assert adapter.lora

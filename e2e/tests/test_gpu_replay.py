@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.trainer import routing
-from lockstep_workers.trainer.learner import Policy, Rollout, token_logprobs
+from lockstep_workers.trainer.learner import Policy, token_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("replay", REPO / "e2e" / "gpu" / "replay.py")

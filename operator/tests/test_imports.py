@@ -47,12 +47,12 @@ WORKERS_LAYERS = {
     "agent": set(),
     "weights": {"agent"},
     "actor": {"agent", "weights"},
-    "rollout": {"agent", "weights", "actor", "episodes", "trainer.learner"},
+    "rollout": {"agent", "weights", "actor", "episodes"},
     "trainer": {"agent", "weights", "rollout", "episodes", "export"},
 }
 """The workers' packages and what each may import of lockstep_workers outside itself, as each package's ``__init__``
-says: one way, agent <- weights <- actor <- rollout <- trainer (the rollout producer fills the learner's rollout
-record; the trainer never imports the actor)."""
+says: one way, agent <- weights <- actor <- rollout <- trainer (the trainer never imports the actor: it reaches the
+actors over HTTP and through the barrier)."""
 
 
 def test_each_workers_package_imports_only_the_packages_below_it() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lockstep_workers.trainer.learner import Rollout
+from lockstep_workers.rollout.record import Rollout
 
 LOCKED_SAMPLING = ("temperature", "top_p")
 """Sampling fields a rollout function may not change: the trainer recomputes logprobs under the job's."""

@@ -53,7 +53,8 @@ from lockstep.api import (
 from lockstep.podconfig import PodConfig, load_pod_config
 from lockstep.protocol import PreflightResult, Weights, document
 from lockstep_workers.actor.vllm_args import UnsupportedSetting
-from lockstep_workers.trainer.learner import Policy, Rollout, token_logprobs
+from lockstep_workers.rollout.record import Rollout
+from lockstep_workers.trainer.learner import Policy, token_logprobs
 
 logger = logging.getLogger("lockstep.parity")
 

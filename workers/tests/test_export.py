@@ -16,7 +16,7 @@ import torch
 from lockstep.api import DType, LoraSettings, Output
 from lockstep_workers import export
 from lockstep_workers.tiny_model import CHAT_TEMPLATE, CHAT_WORDS, create_tiny_llama
-from lockstep_workers.trainer.loop import output_due, write_output
+from lockstep_workers.trainer.output import output_due, write_output
 from lockstep_workers.trainer.pod import PodEnvironment
 from lockstep_workers.weights import lora
 from lockstep_workers.weights.files import publish, version_path, weights_directory

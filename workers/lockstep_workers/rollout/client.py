@@ -33,7 +33,7 @@ import torch
 from lockstep import environment
 from lockstep_workers.actor.server import BUSY_SECONDS_METRIC
 from lockstep_workers.episodes import EpisodeClient, Generation, RolloutFunction, episode_rollout, single_turn
-from lockstep_workers.trainer.learner import Rollout
+from lockstep_workers.rollout.record import Rollout
 
 logger = logging.getLogger("lockstep.trainer")
 

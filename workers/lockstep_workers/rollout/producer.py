@@ -42,8 +42,8 @@ from typing import Any, TypeVar
 
 from lockstep_workers.rollout.client import STALE_RESAMPLINGS, VERSION_POLL_SECONDS, Actors, RolloutError
 from lockstep_workers.rollout.dataset import Prompt
+from lockstep_workers.rollout.record import Rollout, lag_of
 from lockstep_workers.rollout.scoring import RewardInput, Scores
-from lockstep_workers.trainer.learner import Rollout, lag_of
 
 logger = logging.getLogger("lockstep.trainer")
 

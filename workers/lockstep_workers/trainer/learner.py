@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lockstep.api import AdvantageEstimator, Objective
+from lockstep_workers.rollout.record import Rollout, lag_of
 from lockstep_workers.trainer import routing
 from lockstep_workers.trainer.objective import Batch, Statistics, loss_denominator, policy_loss
 from lockstep_workers.trainer.optimization import clip_gradients
@@ -30,30 +31,6 @@ HEAD_CHUNK_TOKENS = 4096
 """Completion tokens per slice of the final projection. The [tokens, vocabulary] fp32 logits of one slice are the
 largest tensor the head makes (0.5 GiB with a 32k vocabulary); with gradient they are recomputed in the backward
 pass rather than kept, so the logits of the whole batch never exist at once."""
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled completion, with the rollout engine's processed logprob of each token and the
-    weights version each token was sampled under."""
-
-    prompt: list[int]
-    completion: list[int]
-    logprobs: list[float]
-    group: int  # completions of the same prompt share a group (GRPO/GSPO advantages)
-    versions: list[int] = field(default_factory=list)
-    policy_mask: list[bool] = field(default_factory=list)
-    """Which completion tokens the policy sampled (a multi-turn rollout's environment inserted the others, which
-    stay out of the loss); empty: every one."""
-    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    """An MoE model's routing in the rollout engine: each token's experts in each MoE layer, [tokens, MoE layers,
-    top_k] from the prompt's first token (vLLM's routed_experts; lockstep_workers.trainer.routing); None when the engine
-    returned none."""
-
-
-def lag_of(rollout: Rollout, version: int) -> int:
-    """How many versions the oldest token of ``rollout`` was sampled before ``version`` (0 without versions)."""
-    return version - min(rollout.versions, default=version)
 
 
 def top_p_masked(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -372,7 +349,7 @@ def learn(
 
     The staleness bound: with ``version`` and ``max_lag``, a rollout with a token more than ``max_lag`` versions
     behind ``version`` never reaches the loss; it raises ValueError (the trainer drops such samples before,
-    lockstep_workers.rollout.client.fresh_rollouts).
+    lockstep_workers.rollout.producer).
 
     An MoE model (lockstep_workers.trainer.routing): with ``replay_routing`` every pass of the policy computes each
     token with the experts of its rollout's engine routing (``Rollout.routed_experts``, where present); the first pass

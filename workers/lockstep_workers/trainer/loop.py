@@ -30,15 +30,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import functools
-import inspect
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -46,389 +42,43 @@ from opentelemetry.trace import Tracer
 from prometheus_client import start_http_server
 
 from lockstep import environment, tracing
-from lockstep.api import DType, MismatchBudget, Output, RolloutSettings, TrainerNumerics, Training
-from lockstep.podconfig import PodConfig
-from lockstep.protocol import OutputResult, Weights
-from lockstep_workers import export
-from lockstep_workers.episodes import RolloutFunction, single_turn
+from lockstep.api import MismatchBudget, Training
+from lockstep.protocol import Weights
 from lockstep_workers.rollout.client import Actors, ActorService, discovery
-from lockstep_workers.rollout.dataset import DatasetError, Prompt, PromptDataset
-from lockstep_workers.rollout.producer import Group, RolloutProducer, Schedule, StepGroups
-from lockstep_workers.rollout.scoring import RewardInput, Scorer, Scores, load_callable
+from lockstep_workers.rollout.producer import RolloutProducer, Schedule
+from lockstep_workers.rollout.record import Rollout
+from lockstep_workers.rollout.scoring import Scorer
 from lockstep_workers.trainer import checkpoint, optimization, sharding, traces
-from lockstep_workers.trainer.learner import Policy, Rollout, across_ranks, lag_of, learn
+from lockstep_workers.trainer.evaluation import evaluate, evaluation_due
+from lockstep_workers.trainer.learner import across_ranks, learn
+from lockstep_workers.trainer.metrics import (
+    busy_fraction,
+    dynamic_sampling_metrics,
+    pipeline_metrics,
+    reward_part_metrics,
+)
+from lockstep_workers.trainer.model import TrainedModel, build, restore
 from lockstep_workers.trainer.objective import ONPOLICY_MISMATCH
+from lockstep_workers.trainer.output import output_due, write_output
 from lockstep_workers.trainer.pod import (
     EVAL_REWARD,
-    EVAL_ROWS,
-    LAG_PREFIX,
-    LAG_SUFFIX,
-    REWARD_PART_PREFIX,
     PodEnvironment,
     Sending,
     announce,
-    committed_weights,
     record,
     record_rollouts,
-    report_output,
     step_reports,
 )
-from lockstep_workers.trainer.shaping import masked_if_cut, overlong_metrics, penalties
+from lockstep_workers.trainer.sampling import Prompts, batch_of, load_rollout_function, score_group
+from lockstep_workers.trainer.shaping import masked_if_cut, overlong_metrics
 from lockstep_workers.trainer.tracking import Runs, open_runs
-from lockstep_workers.weights import lora
 from lockstep_workers.weights.files import (
     Publisher,
     StreamedPublish,
-    newest_version,
-    published,
-    tensors,
-    verified_path,
-    version_path,
 )
 from lockstep_workers.weights.transfer import manifest_uri
 
-if TYPE_CHECKING:
-    from peft import LoraConfig
-
 logger = logging.getLogger("lockstep.trainer")
-
-PromptSource = Callable[[int, int, int], list[list[int]]]
-"""prompts(step, count, seed) -> ``count`` prompts as token id lists."""
-GREEDY = {"temperature": 0.0, "top_p": 1.0}
-"""How an evaluation samples."""
-
-
-def load_rollout_function(reference: str | None) -> RolloutFunction:
-    """spec.trainer.rollout.function (an async function), or the single turn when unset."""
-    if reference is None:
-        return single_turn
-    function = load_callable(reference)
-    if not inspect.iscoroutinefunction(function):
-        raise ValueError(
-            f"spec.trainer.rollout.function {reference!r} is not an async function: define it with 'async def "
-            "function(row, prompt_token_ids, client)' (lockstep_workers.episodes)"
-        )
-    chosen: RolloutFunction = function
-    return chosen
-
-
-@dataclass(frozen=True)
-class Resumption:
-    """Where a (re)started trainer goes on from."""
-
-    first_step: int
-    weights: Path | None = None
-    """A published version to load the model from: newer than the newest checkpoint, or there is none."""
-    checkpoint: int | None = None
-    """The step of the checkpoint to load the optimizer and RNG states, and unless ``weights`` the model, from."""
-    announce_again: Weights | None = None
-    """The version resumed from, when it is newer than the committed one: the trainer it replaces may have gone
-    before the operator read its announcement, and without one no update opens, so the actors would never reach
-    the version this trainer waits for (spec.trainer.maxLag). Rank 0 announces it before its first step."""
-
-
-def resumption(committed: Weights | None, weights_dir: Path, checkpoints_dir: Path) -> Resumption:
-    """Where to go on from: the newest weights this job's trainer published, with the newest checkpoint at or
-    before them. That is the job's committed version (``committed``, checked against its digest), or one announced
-    after it whose update may still be in flight; numbering on from it keeps each version number naming one set of
-    weights. With nothing published and nothing committed, step 1 from the base model."""
-    newest = newest_version(weights_dir)
-    if newest is None or (committed is not None and newest < committed.version):
-        if committed is None:
-            return Resumption(1)
-        raise SystemExit(
-            f"cannot resume: the committed weights version {committed.version} are not in {weights_dir}. With "
-            "spec.weightSync.backend nccl or gloo, set spec.weightSync.volume so that a restarted trainer finds "
-            "its checkpoints"
-        )
-    path = version_path(weights_dir, newest)
-    again = None
-    if committed is not None and newest == committed.version:
-        verified_path(committed.model_copy(update={"uri": path.resolve().as_uri()}))
-    else:
-        again = published(weights_dir, newest)
-    saved = checkpoint.newest_checkpoint(checkpoints_dir, at_most=newest)
-    logger.info(
-        "resuming from weights version %d (committed: %s), %s",
-        newest,
-        committed.version if committed else "none",
-        f"optimizer state from the checkpoint of step {saved}" if saved is not None else "a fresh optimizer state",
-    )
-    return Resumption(newest + 1, None if saved == newest else path, saved, again)
-
-
-@dataclass(frozen=True)
-class TrainedModel:
-    """The trainer's model on this rank: the causal LM (fp32 master weights; in a LoRA job its base frozen, with the
-    adapter injected), sharded as a Policy, the optimizer of the parameters that train, the adapter's PEFT
-    config (None: every weight trains), and a full fine-tuning job's KL reference (None: no KL term, or a LoRA job's,
-    whose reference is its base)."""
-
-    causal_lm: Any  # a Hugging Face model (untyped)
-    policy: Policy
-    optimizer: torch.optim.Optimizer
-    adapter: LoraConfig | None = None
-    reference: Policy | None = None
-
-    def gathered(self) -> tuple[dict[str, torch.Tensor], Iterator[dict[str, torch.Tensor]]]:
-        """What a version publishes: its layout (the file's tensors in order, on the meta device for full weights)
-        and its layers, gathered from the shards onto rank 0 as they are iterated (a collective every rank iterates
-        to its end; empty on the other ranks): the whole model in its checkpoint's names, a decoder layer at a time
-        (lockstep_workers.trainer.sharding), or the adapter alone under PEFT's file names
-        (lockstep_workers.weights.lora), at once."""
-        if self.adapter is None:
-            return sharding.checkpoint_layout(self.causal_lm), sharding.gathered_layers(self.causal_lm)
-        adapter = lora.file_names(sharding.full_state_dict(self.causal_lm, trainable_only=True))
-        return adapter, iter([adapter])
-
-    def metadata(self) -> dict[str, str] | None:
-        """The header metadata of a version: a LoRA adapter's config, none for full weights."""
-        return None if self.adapter is None else lora.adapter_metadata(self.adapter)
-
-    def trainable(self) -> set[str]:
-        """The names of the parameters that train (in the causal LM)."""
-        return {name for name, parameter in self.causal_lm.named_parameters() if parameter.requires_grad}
-
-
-def build(model_path: str, settings: Training, config: PodConfig | None, mesh: Any) -> TrainedModel:
-    """Every rank: the model at ``model_path`` in fp32, with spec.trainer.lora's adapter injected (PEFT) when set,
-    sharded over ``mesh`` (lockstep_workers.trainer.sharding) with the job's numerics (``config``; outside an RLJob's
-    pod the policy defaults, in the checkpoint's dtype), and an AdamW optimizer of the parameters that train. With a KL
-    coefficient and no LoRA, a second copy of the model, frozen and sharded alike (fp32 parameters, no gradients
-    and no optimizer state: a quarter more than the trained copy's parameters, gradients and AdamW moments), is the
-    reference: the model the job started from, also after a restart (in host memory with klReferenceOffload). A
-    LoRA setting that does not fit the model stops the trainer (SystemExit) with the reason."""
-    from transformers import AutoModelForCausalLM
-
-    numerics = config.trainer if config is not None else TrainerNumerics()
-    causal_lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
-    adapter = None
-    if settings.lora is not None:
-        try:
-            adapter = lora.adapter_config(settings.lora, causal_lm)
-        except lora.LoraSettingsError as error:
-            raise SystemExit(str(error)) from error
-        lora.inject(causal_lm, adapter)
-    dtype = compute_dtype(config.model.dtype if config is not None else DType.AUTO, model_path)
-    fp32_head = numerics.lm_head_dtype is DType.FLOAT32
-    policy = sharding.shard(
-        causal_lm,
-        mesh,
-        compute_dtype=dtype,
-        fp32_head=fp32_head,
-        activation_checkpointing=settings.activation_checkpointing,
-    )
-    trains = [parameter for parameter in policy.parameters() if parameter.requires_grad]
-    optimizer = optimization.adamw(trains, settings.objective)
-    reference = None
-    if settings.objective.kl_coefficient and adapter is None:
-        frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).requires_grad_(False)
-        offload = settings.objective.kl_reference_offload
-        reference = sharding.shard(frozen, mesh, compute_dtype=dtype, fp32_head=fp32_head, offload=offload)
-    return TrainedModel(causal_lm, policy, optimizer, adapter, reference)
-
-
-def restore(env: PodEnvironment, model: TrainedModel) -> Resumption:
-    """Every rank: load what rank 0 decided to resume from into the shards; return that decision. A LoRA job loads
-    a published version into its adapter (the base stays the model's own), and its checkpoints hold the adapter
-    and its optimizer state alone."""
-    device = sharding.accelerator(env.local_rank)
-    decided: list[Any] = [None]
-    if env.rank == 0:
-        try:
-            decided = [resumption(committed_weights(env), env.weights_dir, env.checkpoints_dir)]
-            if model.adapter is not None and decided[0].first_step > 1:
-                _check_adapter(version_path(env.weights_dir, decided[0].first_step - 1), model.adapter)
-        except SystemExit as stop:  # every rank stops with it, rather than wait for rank 0
-            decided = [stop]
-    dist.broadcast_object_list(decided, src=0, device=device)
-    if isinstance(decided[0], SystemExit):
-        raise decided[0]
-    resumed: Resumption = decided[0]
-    adapter_only = model.adapter is not None
-    if resumed.checkpoint is not None:
-        path = checkpoint.step_path(env.checkpoints_dir, resumed.checkpoint)
-        checkpoint.load(path, model.causal_lm, model.optimizer, device, trainable_only=adapter_only)
-    if resumed.weights is not None:
-        whole = {}
-        if env.rank == 0:
-            whole = (
-                dict(tensors(resumed.weights))
-                if adapter_only
-                else sharding.memory_names(model.causal_lm, resumed.weights)
-            )
-        if adapter_only and env.rank == 0:
-            try:
-                whole = lora.live_names(whole)
-            except ValueError as error:
-                raise ValueError(f"the published weights {resumed.weights} are not a LoRA adapter: {error}") from error
-            if set(whole) != model.trainable():
-                differ = sorted(set(whole) ^ model.trainable())
-                raise ValueError(f"the published adapter {resumed.weights} does not fit this model's: {differ[:5]}")
-        unexpected = set(whole) - set(model.causal_lm.state_dict())
-        if unexpected:
-            raise ValueError(f"the published weights {resumed.weights} do not fit this model: {sorted(unexpected)[:5]}")
-        sharding.load_full_state_dict(model.causal_lm, whole)
-    return resumed
-
-
-def _check_adapter(path: Path, adapter: LoraConfig) -> None:
-    """Stop (SystemExit) unless the version at ``path`` was trained with the adapter that ``adapter`` describes."""
-    try:
-        published_config = lora.adapter_config_of(path)
-    except ValueError as error:
-        raise SystemExit(f"cannot resume this LoRA job: {error}") from error
-    ours = json.loads(lora.config_json(adapter))
-    fields = ("r", "lora_alpha", "target_modules", "bias", "use_dora", "use_rslora")
-    changed = {name: (published_config.get(name), ours.get(name)) for name in fields}
-    changed = {name: values for name, values in changed.items() if values[0] != values[1]}
-    if changed:
-        listed = ", ".join(f"{name} {was!r} -> {now!r}" for name, (was, now) in changed.items())
-        raise SystemExit(
-            f"cannot resume this LoRA job: spec.trainer.lora changed since {path.name} was published ({listed}); "
-            "an adapter cannot be resumed with another shape: restore the settings, or start a new job"
-        )
-
-
-def compute_dtype(dtype: DType, model_path: str) -> torch.dtype:
-    """The dtype the actors compute in, and so the trainer's layers: spec.model.dtype (auto: the checkpoint's)."""
-    from transformers import AutoConfig
-
-    if dtype is DType.AUTO:
-        found: Any = AutoConfig.from_pretrained(model_path).dtype
-        resolved: torch.dtype = found if isinstance(found, torch.dtype) else getattr(torch, found or "float32")
-        return resolved
-    chosen: torch.dtype = getattr(torch, dtype.value)
-    return chosen
-
-
-class Prompts:
-    """Rank 0's prompts: each step's, from the job's dataset or its prompt source, and the eval split's; and the
-    reward's view of their completions."""
-
-    def __init__(self, settings: Training, model_path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.settings = settings
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
-        self.dataset: PromptDataset | None = None
-        if settings.dataset is not None:
-            try:
-                self.dataset = PromptDataset(settings.dataset, self.tokenizer)
-            except DatasetError as error:
-                raise SystemExit(f"spec.trainer.dataset: {error}") from error
-        self.source: PromptSource = load_callable(settings.prompts)
-        self._steps: dict[int, list[Prompt]] = {}
-        """The prompts of the steps whose positions are being sampled (a step's are made together)."""
-
-    def step(self, step: int) -> list[Prompt]:
-        count = self.settings.rollout.prompts_drawn_per_step
-        if self.dataset is not None:
-            return self.dataset.step_prompts(step, count)
-        token_ids = self.source(step, count, self.settings.seed)
-        return [Prompt(ids, self.tokenizer.decode(ids), {}) for ids in token_ids]
-
-    def at(self, position: int) -> Prompt:
-        """The prompt at ``position`` in the job's sequence (lockstep_workers.rollout.producer): step position // count
-        + 1's prompt position % count, ``count`` the prompts each step draws."""
-        count = self.settings.rollout.prompts_drawn_per_step
-        step = position // count + 1
-        if step not in self._steps:
-            # Keep the step before (its dropped groups may be sampled again); an evicted step's are made again.
-            self._steps = {s: p for s, p in self._steps.items() if s >= step - 1}
-            self._steps[step] = self.step(step)
-        return self._steps[step][position % count]
-
-    def evaluation(self) -> list[Prompt]:
-        return self.dataset.eval_prompts(self.settings.eval.prompts) if self.dataset is not None else []
-
-    def reward_inputs(self, rollouts: list[Rollout], prompts: list[Prompt]) -> list[RewardInput]:
-        return [
-            RewardInput(
-                r.prompt,
-                r.completion,
-                prompts[r.group].text,
-                self.tokenizer.decode(r.completion, skip_special_tokens=True),
-                prompts[r.group].row,
-            )
-            for r in rollouts
-        ]
-
-
-def evaluate(producer: RolloutProducer, prompts: Prompts, scorer: Scorer, max_tokens: int) -> dict[str, float]:
-    """The mean reward of one greedy completion of each eval row, from the actors (beside the training requests),
-    and how many rows."""
-    evaluated = prompts.evaluation()
-    sampled = producer.evaluate([p.token_ids for p in evaluated], {**GREEDY, "max_tokens": max_tokens})
-    rewards = scorer.scores(prompts.reward_inputs(sampled, evaluated)).rewards
-    return {EVAL_REWARD: sum(rewards) / len(rewards), EVAL_ROWS: float(len(rewards))}
-
-
-def score_group(
-    prompts: Prompts, scorer: Scorer, rollout: RolloutSettings, rollouts: list[Rollout], prompt: Prompt
-) -> tuple[list[RewardInput], Scores]:
-    """What the reward saw of one prompt's samples (``rollouts``, of group 0) and their rewards, each with its
-    overlong penalty (spec.trainer.rollout.overlong) added."""
-    inputs = prompts.reward_inputs(rollouts, [prompt])
-    scores = scorer.scores(inputs)
-    penalised = penalties(rollouts, rollout.max_tokens, rollout.overlong)
-    rewards = [reward + penalty for reward, penalty in zip(scores.rewards, penalised, strict=True)]
-    return inputs, replace(scores, rewards=rewards)
-
-
-def batch_of(groups: Sequence[Group]) -> tuple[list[Rollout], list[RewardInput], list[float], int]:
-    """A step's rollouts (group n: its nth prompt), what the reward saw of them, their rewards and reward errors."""
-    rollouts = [replace(r, group=n) for n, group in enumerate(groups) for r in group.rollouts]
-    inputs = [sample for group in groups for sample in group.inputs]
-    rewards = [reward for group in groups for reward in group.rewards]
-    return rollouts, inputs, rewards, sum(group.reward_errors for group in groups)
-
-
-def dynamic_sampling_metrics(taken: StepGroups) -> dict[str, float]:
-    """What dynamic sampling cost a step (spec.trainer.rollout.dynamicSampling): the groups it dropped for equal
-    rewards, those it sampled beyond promptsPerStep, and those without signal it learned because its extra groups
-    ran out."""
-    return {
-        "dropped_groups": float(taken.dropped),
-        "extra_groups": float(taken.extra),
-        "unfilled_groups": float(taken.unfilled),
-    }
-
-
-def reward_part_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Each reward function's mean reward over the step's completions, before its weight, as rewards/<name>."""
-    names = groups[0].reward_parts
-    return {
-        f"{REWARD_PART_PREFIX}{name}": sum(sum(g.reward_parts[name]) for g in groups)
-        / sum(len(g.rewards) for g in groups)
-        for name in names
-    }
-
-
-def pipeline_metrics(
-    rollouts: Sequence[Rollout], version: int, max_lag: int, generated: int, interval: float, busy: float | None
-) -> dict[str, float]:
-    """Where the step's time went, beside its learn and wait seconds: tokens generated (``generated``, by the
-    actors, kept or dropped) and learned per second of ``interval`` (since the previous step's), the actors' busy
-    fraction (``busy``; left out when no actor reports it), the sequences learned at each lag behind ``version``
-    (``lag_<n>_sequences``, n from 0 to ``max_lag``) and how many span versions."""
-    learned = sum(len(r.completion) for r in rollouts)
-    lags = [lag_of(r, version) for r in rollouts]
-    metrics = {
-        "tokens_generated_per_second": generated / interval,
-        "tokens_learned_per_second": learned / interval,
-        "spanning_sequences": float(sum(len(set(r.versions)) > 1 for r in rollouts)),
-        **{f"{LAG_PREFIX}{n}{LAG_SUFFIX}": float(lags.count(n)) for n in range(max_lag + 1)},
-    }
-    if busy is not None:
-        metrics["actor_busy_fraction"] = busy
-    return metrics
-
-
-def busy_fraction(before: dict[str, float], after: dict[str, float], interval: float) -> float | None:
-    """The mean over the actors that reported both times of their busy share of ``interval``."""
-    shares = [min(1.0, (after[url] - before[url]) / interval) for url in after if url in before]
-    return sum(shares) / len(shares) if shares else None
 
 
 def train(model_path: str, settings: Training, env: PodEnvironment, actors: Actors) -> None:
@@ -453,11 +103,61 @@ def train(model_path: str, settings: Training, env: PodEnvironment, actors: Acto
         _train(model_path, settings, env, actors, scorer)
 
 
+@dataclass
+class LeaderAccount:
+    """Rank 0's running account between steps: how long it has waited for a publish since it handed over the last
+    one, when it handed that one over, the actors' busy seconds and the tokens generated as of then, and the last
+    evaluation (the version evaluated, its eval reward)."""
+
+    busy: dict[str, float]
+    waited: float = 0.0
+    handed_over: float = field(default_factory=time.monotonic)
+    generated: int = 0
+    last_evaluation: tuple[int, float] | None = None
+
+
+@dataclass(frozen=True)
+class Leader:
+    """Rank 0's side of the steps: the rollout producer and the prompts and scorer it samples with, the background
+    publisher of each version, the experiment tracking runs and the tracer of the steps' traces, and its account."""
+
+    producer: RolloutProducer
+    prompts: Prompts
+    scorer: Scorer
+    publisher: Publisher
+    tracking: Runs | None
+    tracer: Tracer | None
+    account: LeaderAccount
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the steps run with, on every rank: the job's training settings, this pod's environment, the base model's
+    path, this rank's model and its learning rates (at ``first_step``'s rate), the ParityPolicy's mismatch budget, and
+    on rank 0 its ``leader`` side."""
+
+    settings: Training
+    env: PodEnvironment
+    model_path: str
+    model: TrainedModel
+    learning_rates: torch.optim.lr_scheduler.LRScheduler
+    first_step: int
+    budget: float
+    leader: Leader | None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A step's batch as rank 0 shares it with every rank: the rollouts (group n: the step's nth prompt), their
+    rewards, and the step's sampling, scoring and evaluation metrics."""
+
+    rollouts: list[Rollout]
+    rewards: list[float]
+    metrics: dict[str, float]
+
+
 def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Actors, scorer: Scorer | None) -> None:
     """``train`` on one rank; rank 0 scores with ``scorer``."""
-    leader = scorer is not None
-    prompts = Prompts(settings, model_path) if leader else None
-
     # Join the ranks' group on this rank's accelerator, shard the model over them, resume where the job was.
     device = sharding.accelerator(env.local_rank)
     mesh = sharding.start(env.rank, env.world_size, device)
@@ -467,16 +167,12 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     model = build(model_path, settings, config, mesh)
     resumed = restore(env, model)
     learning_rates = optimization.scheduler(model.optimizer, settings.objective, settings.steps, resumed.first_step)
-    rollout = settings.rollout
-    sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
 
     # Rank 0: serve the metrics, and with a collective backend the weights; wait until every actor serves; start
     # the rollout producer from the first position of the first step.
     sending: Sending | None = None
-    producer: RolloutProducer | None = None
-    tracking: Runs | None = None
-    tracer: Tracer | None = None
-    if leader:
+    leader: Leader | None = None
+    if scorer is not None:
         tracer = tracing.tracer(os.environ, traces.TRAINER_SERVICE)
         if env.metrics_port:
             start_http_server(env.metrics_port)
@@ -487,42 +183,19 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
             logger.info("announcing weights version %d again, for the actors to load", resumed.announce_again.version)
             announce(_as_announced(env, resumed.announce_again), env.namespace, env.pod)
         actors.wait_until_ready()
-        assert prompts is not None and scorer is not None
-        count = rollout.prompts_drawn_per_step
-        schedule = Schedule(
-            rollout.prompts_per_step,
-            settings.max_lag,
-            rollout.in_flight,
-            (resumed.first_step - 1) * count,
-            settings.steps * count,
-            on_policy_groups=rollout.on_policy_groups,
-            extra_groups=rollout.extra_groups,
-        )
-        score = functools.partial(score_group, prompts, scorer, rollout)
-        producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)
-        producer.start()
+        prompts = Prompts(settings, model_path)
+        producer = _producer(settings, actors, prompts, scorer, resumed.first_step)
+        account = LeaderAccount(busy=producer.busy_seconds())
+        leader = Leader(producer, prompts, scorer, Publisher(), tracking, tracer, account)
     finished = False
     try:
-        _steps(
-            settings,
-            env,
-            resumed.first_step,
-            producer,
-            prompts,
-            scorer,
-            model,
-            learning_rates,
-            budget,
-            model_path,
-            tracking,
-            tracer,
-        )
+        _steps(Run(settings, env, model_path, model, learning_rates, resumed.first_step, budget, leader))
         finished = True
     finally:
-        if producer is not None:
-            producer.close()
-        if tracking is not None:
-            tracking.close(finished)
+        if leader is not None:
+            leader.producer.close()
+            if leader.tracking is not None:
+                leader.tracking.close(finished)
     if sending is not None:
         logger.info("waiting for the actors to receive the final weights version %d from this pod", settings.steps)
         actors.wait_for_version(settings.steps)
@@ -530,164 +203,215 @@ def _train(model_path: str, settings: Training, env: PodEnvironment, actors: Act
     dist.destroy_process_group()
 
 
-def _steps(
-    settings: Training,
-    env: PodEnvironment,
-    first_step: int,
-    producer: RolloutProducer | None,
-    prompts: Prompts | None,
-    scorer: Scorer | None,
-    model: TrainedModel,
-    learning_rates: torch.optim.lr_scheduler.LRScheduler,
-    budget: float,
-    model_path: str,
-    tracking: Runs | None = None,
-    tracer: Tracer | None = None,
-) -> None:
-    """The steps from ``first_step``, on every rank (``learning_rates`` at ``first_step``'s rate); rank 0 (with the
-    ``producer``) takes, publishes, records (also to the ``tracking`` runs, and each step's trace to ``tracer``), and
-    writes spec.output when due."""
+def _producer(settings: Training, actors: Actors, prompts: Prompts, scorer: Scorer, first_step: int) -> RolloutProducer:
+    """Rank 0's rollout producer, started from the first position of ``first_step``: it keeps prompt groups in flight
+    on ``actors`` within maxLag, each scored with ``scorer``."""
     rollout = settings.rollout
-    every = settings.eval.every_steps
+    count = rollout.prompts_drawn_per_step
+    schedule = Schedule(
+        rollout.prompts_per_step,
+        settings.max_lag,
+        rollout.in_flight,
+        (first_step - 1) * count,
+        settings.steps * count,
+        on_policy_groups=rollout.on_policy_groups,
+        extra_groups=rollout.extra_groups,
+    )
+    sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
+    score = functools.partial(score_group, prompts, scorer, rollout)
+    producer = RolloutProducer(actors, schedule, prompts.at, rollout.samples_per_prompt, sampling, score)
+    producer.start()
+    return producer
+
+
+def _steps(run: Run) -> None:
+    """The steps from ``run.first_step``, on every rank; rank 0 (``run.leader``) samples, evaluates, publishes and
+    records each one, and writes spec.output when due."""
+    settings, env, leader = run.settings, run.env, run.leader
     device = sharding.accelerator(env.local_rank)
-    publisher = Publisher() if producer is not None else None
-    waited = 0.0  # how long rank 0 has waited for a publish since it handed over the last one
-    handed_over = time.monotonic()  # when rank 0 handed over the previous step's publish
-    busy = producer.busy_seconds() if producer is not None else {}
-    generated = 0
-    output = env.config.output if env.config is not None else None
-    last_evaluation: tuple[int, float] | None = None  # rank 0: (the version evaluated, its eval reward)
-    for step in range(first_step, settings.steps + 1):
+    for step in range(run.first_step, settings.steps + 1):
         started = time.monotonic()
         epoch = time.time() - started  # monotonic → seconds since the epoch, for the step's trace
 
-        # Evaluate (rank 0, when due): once the actors serve the weights this step starts from, beside the
-        # training requests. Take (rank 0) this step's promptsPerStep groups of samplesPerPrompt completions,
-        # scored, from the producer, once the publish of the version maxLag behind this step's is written.
-        batch: list[Any] = [None]
-        if producer is not None:
-            assert prompts is not None and scorer is not None and publisher is not None
-            evaluation: dict[str, float] = {}
-            if every and (step - 1) % every == 0:
-                waited += publisher.wait_for(step - 1)
-                producer.actors.wait_for_version(step - 1)
-                evaluation = evaluate(producer, prompts, scorer, rollout.max_tokens)
-                if EVAL_REWARD in evaluation:
-                    last_evaluation = (step - 1, evaluation[EVAL_REWARD])
-            waited += publisher.wait_for(step - 1 - settings.max_lag)
-            dropped = producer.counts.samples_dropped
-            taking = time.monotonic()
-            taken = producer.take(step)
-            sampled, inputs, scored, errors = batch_of(taken.groups)
-            counts = {
-                **overlong_metrics(sampled, rollout.max_tokens, rollout.overlong),
-                "rollout_wait_seconds": time.monotonic() - taking,
-                "reward_errors": float(errors),
-                "stale_samples_dropped": float(producer.counts.samples_dropped - dropped),
-                **(dynamic_sampling_metrics(taken) if rollout.dynamic_sampling else {}),
-                **(reward_part_metrics(taken.groups) if settings.rewards is not None else {}),
-            }
-            record_rollouts(env, step, inputs, scored)
-            batch = [(masked_if_cut(sampled, rollout.max_tokens, rollout.overlong), scored, {**counts, **evaluation})]
+        # Sample (rank 0): evaluate first when due, then take this step's scored prompt groups from the producer.
+        shared: list[Sampled | None] = [None]
+        taking = started
+        if leader is not None:
+            evaluation = _evaluate(run, leader, step)
+            sampled, taking = _sample(run, leader, step)
+            shared = [replace(sampled, metrics={**sampled.metrics, **evaluation})]
 
         # Share: every rank gets the batch, and learns from its own prompt groups.
-        dist.broadcast_object_list(batch, src=0, device=device)
-        everything, rewards, scoring = batch[0]
-        mine = [n for n, r in enumerate(everything) if r.group % env.world_size == env.rank]
+        dist.broadcast_object_list(shared, src=0, device=device)
+        batch = shared[0]
+        assert batch is not None, "rank 0 shared its batch"
 
         # Learn: minibatches of micro-batches; FSDP reduces the gradients, and the metrics are combined here.
         learning = time.monotonic()
-        metrics = learn(
-            model.policy,
-            model.optimizer,
-            [everything[n] for n in mine],
-            [rewards[n] for n in mine],
-            settings.objective,
-            rollout.temperature,
-            top_p=rollout.top_p,
-            version=step - 1,
-            max_lag=settings.max_lag,
-            max_tokens=rollout.max_tokens,
-            reference=model.reference,
-            replay_routing=env.config is not None and env.config.routing_replay,
-        )
-        metrics = across_ranks(metrics, device)
-        metrics["learn_seconds"] = time.monotonic() - learning
-        metrics["learning_rate"] = float(learning_rates.get_last_lr()[0])
-        learning_rates.step()
-        metrics["reward"] = sum(rewards) / len(rewards)  # over the whole batch, not a shard
-        metrics.update(scoring)
+        metrics = _learn(run, step, batch, device)
 
-        # Publish the weights gathered from the shards (a collective, a snapshot) as version ``step``: rank 0
-        # waits for its previous publish if that is still in flight, then writes the file in the background as the
-        # layers are gathered (the gather waits for the write only past PUBLISH_BUFFER_BYTES), and announces the
-        # version and records the step in the background while the next step runs. Checkpoint the shards when due,
-        # once this version is on disk, so that no checkpoint is newer than the newest published version.
-        layout, layers = model.gathered()
-        writing = None
-        if publisher is not None:
-            waited += publisher.wait()
-            # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
-            keep = max(3, settings.max_lag + 2)
-            writing = StreamedPublish(layout, env.weights_dir, step, keep, model.metadata())
-        gathering = time.monotonic()
-        for layer in layers:
-            if writing is not None:
-                writing.put(layer)
-        if writing is not None:
-            writing.close()
-        gathered = time.monotonic() - gathering
-        if publisher is not None and producer is not None:
-            assert writing is not None
-            metrics.update(publish_gather_seconds=gathered, publish_wait_seconds=waited)
-            now = time.monotonic()
-            seconds, interval, handed_over = now - started, now - handed_over, now
-            busy, before = producer.busy_seconds(), busy
-            generated, before_generated = producer.counts.tokens_generated, generated
-            metrics.update(
-                pipeline_metrics(
-                    everything,
-                    step - 1,
-                    settings.max_lag,
-                    generated - before_generated,
-                    interval,
-                    busy_fraction(before, busy, interval),
-                )
-            )
-            then = None
-            if output is not None and output_due(step, settings.steps, output.every_steps):
-                then = functools.partial(write_output, env, output, model_path, step, last_evaluation)
+        # Publish the weights gathered from the shards as version ``step``, and (rank 0) hand over its announcement
+        # and the step's record to the background while the next step runs.
+        writing, gathering = _publish(run, step)
+        metrics["publish_gather_seconds"] = time.monotonic() - gathering
+        if leader is not None and writing is not None:
             starts = {"sampling_wait": taking + epoch, "learn": learning + epoch, "gather": gathering + epoch}
-            trace = (tracer, started + epoch, starts) if tracer is not None else None
-            work = functools.partial(
-                _publish_and_announce,
-                env,
-                settings,
-                step,
-                writing,
-                metrics,
-                seconds,
-                budget,
-                then,
-                tracking,
-                trace,
-            )
-            publisher.start(step, work)
-            waited = 0.0
+            _record(run, leader, step, batch, metrics, writing, started, epoch, starts)
+
+        # Checkpoint the shards when due, once this version is on disk, so that no checkpoint is newer than the newest
+        # published version.
         if settings.checkpoint_every_steps and step % settings.checkpoint_every_steps == 0:
-            if publisher is not None:
-                waited += publisher.wait()
+            if leader is not None:
+                leader.account.waited += leader.publisher.wait()
             checkpoint.save(
                 env.checkpoints_dir,
                 step,
-                model.causal_lm,
-                model.optimizer,
+                run.model.causal_lm,
+                run.model.optimizer,
                 device,
                 settings.checkpoints_kept,
-                trainable_only=model.adapter is not None,
+                trainable_only=run.model.adapter is not None,
             )
-    if publisher is not None:
-        publisher.wait()
+    if leader is not None:
+        leader.publisher.wait()
+
+
+def _evaluate(run: Run, leader: Leader, step: int) -> dict[str, float]:
+    """Rank 0, when spec.trainer.eval is due before ``step``: the eval metrics of the weights the step starts from,
+    once the actors serve them, sampled beside the training requests; none when not due."""
+    if not evaluation_due(step, run.settings.eval.every_steps):
+        return {}
+    leader.account.waited += leader.publisher.wait_for(step - 1)
+    leader.producer.actors.wait_for_version(step - 1)
+    evaluation = evaluate(leader.producer, leader.prompts, leader.scorer, run.settings.rollout.max_tokens)
+    if EVAL_REWARD in evaluation:
+        leader.account.last_evaluation = (step - 1, evaluation[EVAL_REWARD])
+    return evaluation
+
+
+def _sample(run: Run, leader: Leader, step: int) -> tuple[Sampled, float]:
+    """Rank 0: this step's promptsPerStep groups of samplesPerPrompt completions, scored, taken from the producer once
+    the publish of the version maxLag behind this step's is written (its completions recorded), and when the taking
+    began."""
+    rollout, producer = run.settings.rollout, leader.producer
+    leader.account.waited += leader.publisher.wait_for(step - 1 - run.settings.max_lag)
+    dropped = producer.counts.samples_dropped
+    taking = time.monotonic()
+    taken = producer.take(step)
+    rollouts, inputs, rewards, errors = batch_of(taken.groups)
+    metrics = {
+        **overlong_metrics(rollouts, rollout.max_tokens, rollout.overlong),
+        "rollout_wait_seconds": time.monotonic() - taking,
+        "reward_errors": float(errors),
+        "stale_samples_dropped": float(producer.counts.samples_dropped - dropped),
+        **(dynamic_sampling_metrics(taken) if rollout.dynamic_sampling else {}),
+        **(reward_part_metrics(taken.groups) if run.settings.rewards is not None else {}),
+    }
+    record_rollouts(run.env, step, inputs, rewards)
+    return Sampled(masked_if_cut(rollouts, rollout.max_tokens, rollout.overlong), rewards, metrics), taking
+
+
+def _learn(run: Run, step: int, batch: Sampled, device: torch.device) -> dict[str, float]:
+    """Every rank: learn from its own prompt groups of ``batch`` and step the learning rate; the step's metrics,
+    combined over the ranks, with the batch's reward and its sampling metrics."""
+    settings, env, rollout = run.settings, run.env, run.settings.rollout
+    learning = time.monotonic()
+    mine = [n for n, r in enumerate(batch.rollouts) if r.group % env.world_size == env.rank]
+    metrics = learn(
+        run.model.policy,
+        run.model.optimizer,
+        [batch.rollouts[n] for n in mine],
+        [batch.rewards[n] for n in mine],
+        settings.objective,
+        rollout.temperature,
+        top_p=rollout.top_p,
+        version=step - 1,
+        max_lag=settings.max_lag,
+        max_tokens=rollout.max_tokens,
+        reference=run.model.reference,
+        replay_routing=env.config is not None and env.config.routing_replay,
+    )
+    metrics = across_ranks(metrics, device)
+    metrics["learn_seconds"] = time.monotonic() - learning
+    metrics["learning_rate"] = float(run.learning_rates.get_last_lr()[0])
+    run.learning_rates.step()
+    metrics["reward"] = sum(batch.rewards) / len(batch.rewards)  # over the whole batch, not a shard
+    metrics.update(batch.metrics)
+    return metrics
+
+
+def _publish(run: Run, step: int) -> tuple[StreamedPublish | None, float]:
+    """Every rank: gather the weights from the shards (a collective, a snapshot) as version ``step``; rank 0 first
+    waits for its previous publish if that is still in flight, then writes the file in the background as the layers
+    are gathered (the gather waits for the write only past PUBLISH_BUFFER_BYTES). Rank 0's write (None on the other
+    ranks) and when the gather began."""
+    layout, layers = run.model.gathered()
+    writing = None
+    if run.leader is not None:
+        run.leader.account.waited += run.leader.publisher.wait()
+        # The committed version, which new actors start from, is at most maxLag + 1 versions behind this one.
+        keep = max(3, run.settings.max_lag + 2)
+        writing = StreamedPublish(layout, run.env.weights_dir, step, keep, run.model.metadata())
+    gathering = time.monotonic()
+    for layer in layers:
+        if writing is not None:
+            writing.put(layer)
+    if writing is not None:
+        writing.close()
+    return writing, gathering
+
+
+def _record(
+    run: Run,
+    leader: Leader,
+    step: int,
+    batch: Sampled,
+    metrics: dict[str, float],
+    writing: StreamedPublish,
+    started: float,
+    epoch: float,
+    starts: dict[str, float],
+) -> None:
+    """Rank 0: add where the step's time went to its ``metrics``, and hand version ``step``'s publish over to the
+    background: announce it, record the step (to the tracking runs, and its trace from ``started`` with its parts'
+    ``starts``, seconds since the epoch), then write spec.output when due."""
+    settings, account, producer = run.settings, leader.account, leader.producer
+    metrics["publish_wait_seconds"] = account.waited
+    now = time.monotonic()
+    seconds, interval, account.handed_over = now - started, now - account.handed_over, now
+    busy, before = producer.busy_seconds(), account.busy
+    generated, before_generated = producer.counts.tokens_generated, account.generated
+    account.busy, account.generated = busy, generated
+    metrics.update(
+        pipeline_metrics(
+            batch.rollouts,
+            step - 1,
+            settings.max_lag,
+            generated - before_generated,
+            interval,
+            busy_fraction(before, busy, interval),
+        )
+    )
+    output = run.env.config.output if run.env.config is not None else None
+    then = None
+    if output is not None and output_due(step, settings.steps, output.every_steps):
+        then = functools.partial(write_output, run.env, output, run.model_path, step, account.last_evaluation)
+    trace = (leader.tracer, started + epoch, starts) if leader.tracer is not None else None
+    work = functools.partial(
+        _publish_and_announce,
+        run.env,
+        settings,
+        step,
+        writing,
+        metrics,
+        seconds,
+        run.budget,
+        then,
+        leader.tracking,
+        trace,
+    )
+    leader.publisher.start(step, work)
+    account.waited = 0.0
 
 
 def _publish_and_announce(
@@ -745,39 +469,6 @@ def _publish_and_announce(
     )
     if then is not None:
         then()
-
-
-def output_due(step: int, steps: int, every_steps: int) -> bool:
-    """Whether spec.output is written after ``step`` of ``steps``: at the last, and every ``every_steps`` (0: never
-    before the last)."""
-    return step == steps or (every_steps > 0 and step % every_steps == 0)
-
-
-def write_output(
-    env: PodEnvironment, output: Output, model_path: str, version: int, last_evaluation: tuple[int, float] | None
-) -> OutputResult:
-    """Rank 0, once ``version`` is published: write it to spec.output (lockstep_workers.export) and report it on the
-    pod (lockstep.dev/output), with ``last_evaluation`` (the version evaluated and its eval reward), if any; return
-    the report."""
-    writing = time.monotonic()
-    path, digest = export.write_version(
-        env.weights_dir, version, model_path, Path(output.path), output.dtype, output.merged
-    )
-    evaluated, reward = last_evaluation if last_evaluation is not None else (None, None)
-    result = OutputResult(
-        path=str(path), version=version, step=version, eval_reward=reward, eval_version=evaluated, digest=digest
-    )
-    if env.pod and env.namespace:
-        report_output(result, env.namespace, env.pod)
-    logger.info(
-        "wrote weights version %d to %s in %.1fs (%s); serve it with: %s",
-        version,
-        path,
-        time.monotonic() - writing,
-        digest,
-        export.serve_command(path),
-    )
-    return result
 
 
 def _as_announced(env: PodEnvironment, weights: Weights) -> Weights:

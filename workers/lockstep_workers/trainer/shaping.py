@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from lockstep.api import Overlong, OverlongMode
-from lockstep_workers.trainer.learner import Rollout
+from lockstep_workers.rollout.record import Rollout
 
 
 def policy_tokens(rollout: Rollout) -> int:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from lockstep_workers.rollout.client import STALE_RESAMPLINGS, RolloutError, Rows
 from lockstep_workers.rollout.dataset import Prompt, step_rows
 from lockstep_workers.rollout.producer import RolloutProducer, Schedule, StepGroups, informative
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.rollout.scoring import Scores
-from lockstep_workers.trainer.learner import Rollout
 
 
 def simulate(

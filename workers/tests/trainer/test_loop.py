@@ -43,11 +43,12 @@ from lockstep.api import (
 from lockstep.podconfig import PodConfig
 from lockstep_workers.rewards import target_words
 from lockstep_workers.rollout.client import Rows
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.rollout.scoring import load_callable
 from lockstep_workers.tiny_model import create_tiny_llama
 from lockstep_workers.tiny_models import FAMILIES, create_tiny_model, family
 from lockstep_workers.trainer import learner
-from lockstep_workers.trainer.learner import Policy, Rollout, learn, token_logprobs
+from lockstep_workers.trainer.learner import Policy, learn, token_logprobs
 from lockstep_workers.trainer.objective import Statistics
 from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.trainer.shaping import masked_if_cut
@@ -416,7 +417,7 @@ def test_dynamic_sampling_the_overlong_penalty_and_weighted_rewards_reach_the_st
 
 def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
     from lockstep_workers.episodes import single_turn
-    from lockstep_workers.trainer.loop import load_rollout_function
+    from lockstep_workers.trainer.sampling import load_rollout_function
 
     assert load_rollout_function(None) is single_turn
     assert load_rollout_function("lockstep_workers.episodes:single_turn") is single_turn
@@ -445,7 +446,7 @@ def test_the_trainers_top_p_mask_is_vllms() -> None:
 
 
 def test_a_restarted_trainer_resumes_from_its_newest_weights_and_checkpoint(tmp_path: Path) -> None:
-    from lockstep_workers.trainer.loop import Resumption, resumption
+    from lockstep_workers.trainer.model import Resumption, resumption
     from lockstep_workers.weights.files import publish, version_path
     from lockstep_workers.weights.files import published as announcement_of
 
@@ -1042,7 +1043,7 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
     from safetensors import safe_open
 
     from lockstep_workers.trainer.checkpoint import checkpoints_directory
-    from lockstep_workers.trainer.loop import _check_adapter
+    from lockstep_workers.trainer.model import check_adapter
     from lockstep_workers.weights import lora
     from lockstep_workers.weights.files import version_path, weights_directory
 
@@ -1101,7 +1102,7 @@ def test_a_lora_job_publishes_its_adapter_alone_and_resumes_on_another_number_of
 
     wider = lora.adapter_config(LoraSettings(rank=8, alpha=8), tiny(tmp_path / "model"))
     with pytest.raises(SystemExit, match=r"spec\.trainer\.lora changed since v000004\.safetensors was published \(r 4"):
-        _check_adapter(path, wider)
+        check_adapter(path, wider)
 
 
 def test_a_lora_jobs_kl_reference_is_its_base_with_the_adapter_disabled(tmp_path: Path) -> None:

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.api import Objective
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.tiny_models import FAMILIES, Family, create_tiny_model
 from lockstep_workers.trainer import routing
-from lockstep_workers.trainer.learner import Policy, Rollout, learn
+from lockstep_workers.trainer.learner import Policy, learn
 from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 
 MOE_FAMILIES = [f for f in FAMILIES if f.mixture_of_experts]

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from lockstep.api import Overlong, OverlongMode
 from lockstep_workers.rollout.producer import Group
-from lockstep_workers.trainer.learner import Rollout
-from lockstep_workers.trainer.loop import reward_part_metrics
+from lockstep_workers.rollout.record import Rollout
+from lockstep_workers.trainer.metrics import reward_part_metrics
 from lockstep_workers.trainer.shaping import masked_if_cut, overlong_metrics, overlong_penalty, penalties, policy_tokens
 
 

@@ -230,7 +230,7 @@ publish({f"layer{n}": torch.ones(1 << 20) for n in range(16)}, directory, versio
 def test_a_trainer_killed_mid_publish_leaves_no_partial_version(tmp_path: Path) -> None:
     """A publisher SIGKILLed after writing version 2's 64 MiB and before they were on disk: no file by version 2's
     name, the newest version is still 1, and a resumed trainer goes on from version 1 (announced again)."""
-    from lockstep_workers.trainer.loop import Resumption, resumption
+    from lockstep_workers.trainer.model import Resumption, resumption
 
     directory, marker = tmp_path / "weights", tmp_path / "writing"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

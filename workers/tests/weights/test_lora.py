@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from lockstep.api import LoraSettings, Training
+from lockstep_workers.rollout.record import Rollout
 from lockstep_workers.tiny_model import create_tiny_llama
-from lockstep_workers.trainer.learner import Rollout
 from lockstep_workers.weights import lora
 
 LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -43,7 +43,7 @@ def test_the_default_targets_are_every_linear_module_of_the_decoder_layers(tmp_p
 
 
 def test_a_target_module_the_model_lacks_is_refused_naming_those_it_has(tmp_path: Path) -> None:
-    from lockstep_workers.trainer.loop import build
+    from lockstep_workers.trainer.model import build
 
     model = tiny(tmp_path / "model")
     expected = (
@@ -102,12 +102,12 @@ REWARDS = [float(n % 2) for n in range(8)]
 
 
 def _train_an_adapter(rank: int, model: str, out: str, train_lm_head: bool) -> None:
-    """One rank: the trainer's model (trainer.build) for a LoRA job, 2 learning steps, then what it publishes, its
+    """One rank: the trainer's model (trainer.model.build) for a LoRA job, 2 learning steps, then what it publishes, its
     logprobs of ROLLOUTS, its base parameters and its optimizer's state size; the same size for a full job."""
     from lockstep.api import Objective
     from lockstep_workers.trainer import sharding
     from lockstep_workers.trainer.learner import learn, token_logprobs
-    from lockstep_workers.trainer.loop import build
+    from lockstep_workers.trainer.model import build
 
     torch.set_num_threads(1)
     mesh = sharding.start(rank, 1, torch.device("cpu"))
