@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep import api, keys
+from lockstep.api.shared import cel_literal
 from lockstep.parity import lora_refusal, routing_replay_refusal
 from lockstep.schema import structural_schema
 
@@ -122,12 +123,6 @@ _NAME_MARK = "\x00"
 """Where the policy's name goes in a message, rendered in CEL as params.metadata.name."""
 
 
-def _cel_literal(text: str) -> str:
-    """``text`` as a double-quoted CEL string (the messages here hold neither double quotes nor backslashes)."""
-    assert '"' not in text and "\\" not in text, text
-    return f'"{text}"'
-
-
 def _requirement_check(
     field: str, requirement: api.Requirement, complies: str, refusal: Callable[[api.Requirement, str], str]
 ) -> dict[str, str]:
@@ -136,7 +131,7 @@ def _requirement_check(
     before, after = refusal(requirement, _NAME_MARK).split(_NAME_MARK)
     return {
         "expression": f"!variables.enforced || params.spec.{field} != '{requirement.value}' || {complies}",
-        "messageExpression": f"{_cel_literal(before)} + params.metadata.name + {_cel_literal(after)}",
+        "messageExpression": f"{cel_literal(before)} + params.metadata.name + {cel_literal(after)}",
         "message": refusal(requirement, "").replace("ParityPolicy '' ", "the ParityPolicy "),
         "reason": "Invalid",
     }

@@ -6,7 +6,9 @@ A job's own ``env``, ``volumes`` and ``volumeMounts`` may not take them over (``
 ``api.RESERVED_VOLUME_RULE`` and ``api.RESERVED_VOLUME_MOUNT_RULE``): a user's ``LOCKSTEP_CONFIG`` would otherwise
 replace the locked configuration the pod reads, behind the fingerprint it still carries, and a mount of the
 ``lockstep-shared`` volume would expose every job's weights. Nor may a job's ``env`` change what vLLM computes or
-the code the image runs behind the ParityPolicy's lock (``locked_env``, ``api.LOCKED_ENV_RULE``)."""
+the code the image runs behind the ParityPolicy's lock (``locked_env_why``, ``api.LOCKED_ENV_RULE``): it sets only
+the variables ``allowed_env`` names, and takes a credential only from a Secret (``credential``,
+``api.CREDENTIAL_ENV_RULE``)."""
 
 from __future__ import annotations
 
@@ -121,12 +123,129 @@ ALLOWED_VLLM_ENV = (
 )
 """The vLLM variables a job may set: they size memory and threads, set logs, telemetry, timeouts and the cache's
 place, and change no number vLLM computes."""
-CODE_PATH_NAMES = ("PYTHONPATH", "PYTHONHOME")
-"""Variables that choose the Python code a worker runs (the images set PYTHONPATH to lockstep_workers' source): a
-job's own would run other code than the image's, behind the parity lock."""
+ALLOWED_ENV = (
+    *ALLOWED_VLLM_ENV,
+    *WORKER_ENV,
+    "TZ",
+    "LANG",
+    "LC_ALL",
+    "PYTHONUNBUFFERED",
+    "PYTHONFAULTHANDLER",
+    "OMP_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_ENDPOINT",
+    "HF_TOKEN",
+    "TRANSFORMERS_OFFLINE",
+    "GLOO_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+    "MLFLOW_TRACKING_SERVER_CERT_PATH",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_S3_ENDPOINT_URL",
+    "DATABRICKS_HOST",
+    "DATABRICKS_TOKEN",
+    "DATABRICKS_CLIENT_ID",
+    "DATABRICKS_CLIENT_SECRET",
+    "DATABRICKS_USERNAME",
+    "DATABRICKS_PASSWORD",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_CLOUD_PROJECT",
+    "AZURE_CLIENT_ID",
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_STORAGE_ACCOUNT",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+)
+"""The documented variables a job may set on its actors, preflight and trainers (docs/security.md#environment):
+sizes, logs, telemetry, timeouts and places (ALLOWED_VLLM_ENV, HOME, OMP_NUM_THREADS...), the Hugging Face hub's
+cache and offline mode, network proxies and CA bundles, and the experiment trackers' and cloud SDKs' settings and
+credentials (a credential only from a Secret: ``credential``). None changes a number the actors or the trainer
+compute, or the code they load. Besides these: every NCCL_* (ALLOWED_ENV_PREFIXES), every variable under the job's
+own spec.envPrefix, and what the job's ParityPolicy adds (spec.allowedEnv)."""
+ALLOWED_ENV_PREFIXES = ("NCCL_",)
+"""Families a job may set whole: NCCL's transport (the operator sets none; they move bytes, not the numbers the
+actors and the trainer compare)."""
 
-CREDENTIAL_NAMES = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "DATABRICKS_TOKEN")
-"""The experiment trackers' credentials (spec.trainer.tracking): a job takes them from a Secret, never inline."""
+NUMERICS_ENV_PREFIXES = (
+    VLLM_PREFIX,
+    "ONEDNN_",
+    "DNNL_",
+    "MKLDNN_",
+    "MKL_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "BLIS_",
+    "ATEN_",
+    "TORCH",
+    "NVIDIA_",
+    "CUBLAS",
+    "CUDNN_",
+    "NVTE_",
+    "TRITON_",
+    "XLA_",
+)
+"""Families of variables that choose kernels, precisions or reduction orders, so that the actors or the trainer would
+compute other numbers than the parity lock promises: oneDNN's fp32 math mode (ONEDNN_DEFAULT_FPMATH_MODE=BF16 moved
+vLLM's fp32 head on a CPU from 5.1e-6 to 1.29e-2 max |Δlogprob|), TF32 (NVIDIA_TF32_OVERRIDE,
+TORCH_ALLOW_TF32_CUBLAS_OVERRIDE), MKL's and OpenMP's code paths (MKL_CBWR, KMP_DETERMINISTIC_REDUCTION), torch's CPU
+capability, inductor and Triton kernels, and the VLLM_* variables not in ALLOWED_VLLM_ENV."""
+CODE_LOADING_ENV_PREFIXES = ("LD_", "PYTHON", "GLIBC_")
+CODE_LOADING_ENV_NAMES = ("PATH", "GCONV_PATH", "HOSTALIASES")
+"""Variables that choose the code a worker loads (the images set PYTHONPATH to lockstep_workers' source):
+LD_PRELOAD, LD_LIBRARY_PATH, PATH, PYTHONPATH, PYTHONHOME, PYTHONUSERBASE, PYTHONSTARTUP, PYTHONPYCACHEPREFIX... A
+job's own would run other code than the image's, behind the parity lock."""
+DENIED_ENV_PREFIXES = (*NUMERICS_ENV_PREFIXES, *CODE_LOADING_ENV_PREFIXES, RESERVED_PREFIX)
+"""What neither spec.envPrefix nor a ParityPolicy's spec.allowedEnv may reach."""
+
+CREDENTIAL_NAMES = (
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+    "DATABRICKS_TOKEN",
+    "DATABRICKS_CLIENT_SECRET",
+    "DATABRICKS_PASSWORD",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "HF_TOKEN",
+    "WANDB_API_KEY",
+)
+"""The experiment trackers' and cloud SDKs' credentials by name; ``credential`` also takes the names the
+CREDENTIAL_SUFFIXES and CREDENTIAL_INFIXES describe."""
+CREDENTIAL_SUFFIXES = ("_TOKEN", "_PASSWORD", "_API_KEY", "_ACCESS_KEY", "_PRIVATE_KEY")
+CREDENTIAL_INFIXES = ("_SECRET",)
+"""Any other variable whose name says it holds a credential: *_TOKEN, *_PASSWORD, *_API_KEY, *_SECRET*..."""
 
 
 RESERVED_ENV_WHY = (
@@ -147,12 +266,29 @@ RESERVED_VOLUME_MOUNT_WHY = (
     f"at {SHARED_MOUNT}/<job uid> itself; mount a volume of the job instead"
 )
 """Why a job's mount of an operator volume is refused, after ``volume <its name>``."""
-LOCKED_ENV_WHY = (
-    f" would change what vLLM computes or the code the image runs, behind the lock of the ParityPolicy: the settings "
-    f"of vLLM are spec.actors.vllm, which the policy locks, and {' and '.join(CODE_PATH_NAMES)} are set by the image; "
-    f"remove it from env (the {VLLM_PREFIX}* variables a job may set: {', '.join(ALLOWED_VLLM_ENV)})"
+NUMERICS_WHY = (
+    " would change the numbers the actors or the trainer compute (it chooses kernels, precisions or reduction "
+    "orders, like every ONEDNN_*, MKL_*, OMP_*, TORCH*, NVIDIA_*, CUBLAS*, TRITON_* and VLLM_* variable not on the "
+    "list), behind the lock of the ParityPolicy, which locks vLLM's settings as spec.actors.vllm; remove it from env"
 )
-"""Why a job's variable is refused by ``locked_env``, after its name."""
+"""Why a job's variable of NUMERICS_ENV_PREFIXES is refused, after its name."""
+CODE_LOADING_WHY = (
+    " would change the code the workers load (LD_*, PATH, PYTHON*: the image sets them), behind the lock of the "
+    "ParityPolicy; remove it from env, or build an image that sets it"
+)
+"""Why a job's variable of CODE_LOADING_ENV_PREFIXES or CODE_LOADING_ENV_NAMES is refused, after its name."""
+UNLISTED_WHY = (
+    " is not a variable a job may set (docs/security.md#environment lists them): name the job's own variables "
+    "under the prefix it declares in spec.envPrefix (e.g. APP_), or ask the administrator to add it to the "
+    "ParityPolicy's spec.env"
+)
+"""Why a job's variable that is neither locked nor allowed is refused, after its name."""
+PREFIX_WHY = (
+    " would reach variables that change the numbers the workers compute, the code they load, or the operator's "
+    f"own ({', '.join(f'{p}*' for p in DENIED_ENV_PREFIXES)}, {', '.join(CODE_LOADING_ENV_NAMES)}); choose a prefix "
+    "of the job's own, e.g. APP_"
+)
+"""Why spec.envPrefix, or an entry of a ParityPolicy's spec.env, is refused, after it."""
 
 
 def reserved_env(name: str) -> bool:
@@ -160,10 +296,49 @@ def reserved_env(name: str) -> bool:
     return name.startswith(RESERVED_PREFIX) or name in RESERVED_NAMES
 
 
-def locked_env(name: str) -> bool:
-    """Whether the variable ``name`` would change vLLM's numerics or the code a worker runs, so a job may not set
-    it: a VLLM_* variable not in ALLOWED_VLLM_ENV, PYTHONPATH or PYTHONHOME."""
-    return (name.startswith(VLLM_PREFIX) and name not in ALLOWED_VLLM_ENV) or name in CODE_PATH_NAMES
+def locked_env_why(name: str) -> str | None:
+    """Why a job may never set ``name`` (NUMERICS_WHY, CODE_LOADING_WHY), whatever its policy and envPrefix; None
+    when it is allowed or in no locked family."""
+    if name in ALLOWED_ENV:
+        return None
+    if name.startswith(NUMERICS_ENV_PREFIXES):
+        return NUMERICS_WHY
+    if name.startswith(CODE_LOADING_ENV_PREFIXES) or name in CODE_LOADING_ENV_NAMES:
+        return CODE_LOADING_WHY
+    return None
+
+
+def allowed_env(name: str, prefix: str | None, names: tuple[str, ...] = (), prefixes: tuple[str, ...] = ()) -> bool:
+    """Whether a job may set ``name``: it is on ALLOWED_ENV or ALLOWED_ENV_PREFIXES, under the job's own ``prefix``
+    (spec.envPrefix), or among the ``names`` and ``prefixes`` its ParityPolicy adds (spec.env)."""
+    own = (prefix,) if prefix else ()
+    return name in ALLOWED_ENV or name in names or name.startswith((*ALLOWED_ENV_PREFIXES, *own, *prefixes))
+
+
+def reaches_locked_env(text: str, *, prefix: bool) -> bool:
+    """Whether a prefix (``prefix``) or a name the job or its policy adds to the list reaches a locked or reserved
+    variable: it is in a DENIED_ENV_PREFIXES family, or (a prefix) a family or a name begins with it."""
+    names = (*CODE_LOADING_ENV_NAMES, *RESERVED_NAMES)
+    if text.startswith(DENIED_ENV_PREFIXES) or text in names:
+        return True
+    return prefix and any(locked.startswith(text) for locked in (*DENIED_ENV_PREFIXES, *names))
+
+
+def credential(name: str) -> bool:
+    """Whether ``name`` holds a credential (CREDENTIAL_NAMES, CREDENTIAL_SUFFIXES, CREDENTIAL_INFIXES), which a job
+    takes only from a Secret."""
+    return (
+        name in CREDENTIAL_NAMES
+        or name.endswith(CREDENTIAL_SUFFIXES)
+        or any(infix in name for infix in CREDENTIAL_INFIXES)
+    )
+
+
+def from_secret(variable: dict[str, object]) -> bool:
+    """Whether an env entry, as in a pod, takes its value from a Secret (valueFrom.secretKeyRef) and from nowhere
+    else."""
+    source = variable.get("valueFrom")
+    return "value" not in variable and isinstance(source, dict) and "secretKeyRef" in source
 
 
 def reserved_volume(name: str) -> bool:
@@ -175,17 +350,22 @@ UNCLEAN_PATH_PARTS = ("//", "/./", "/../")
 UNCLEAN_PATH_ENDINGS = ("/.", "/..")
 
 
+def unclean_path(absolute: str) -> bool:
+    """Whether the absolute ``absolute`` is not written plainly: ``..``, ``.`` or ``//`` in it, which whoever opens
+    it resolves, so that a check of its text reads another path than the one used."""
+    return any(part in absolute for part in UNCLEAN_PATH_PARTS) or absolute.endswith(UNCLEAN_PATH_ENDINGS)
+
+
 def reserved_mount(path: str) -> bool:
     """Whether a job may not mount anything at ``path``: it is, or is under, one of the operator's mounts, or it is
-    not written plainly (``..``, ``.`` or ``//`` in it, which the container runtime resolves: a plain path is the
-    only one this check can read). A relative path counts from the root, as the runtime takes it."""
+    not written plainly (``unclean_path``: the container runtime resolves it, and a plain path is the only one this
+    check can read). A relative path counts from the root, as the runtime takes it."""
     absolute = path if path.startswith("/") else f"/{path}"
-    unclean = any(part in absolute for part in UNCLEAN_PATH_PARTS) or absolute.endswith(UNCLEAN_PATH_ENDINGS)
-    return unclean or any(absolute == root or absolute.startswith(root + "/") for root in RESERVED_MOUNTS)
+    return unclean_path(absolute) or any(absolute == root or absolute.startswith(root + "/") for root in RESERVED_MOUNTS)
 
 
 CREDENTIAL_WHY = (
-    " is a credential: take it from a Secret (valueFrom.secretKeyRef), never as a value written in the RLJob, which "
-    "anyone who can read the job reads"
+    " names a credential: take it from a Secret, with valueFrom.secretKeyRef {name: <secret>, key: <key>}, never "
+    "inline or from a ConfigMap, which anyone who can read the job or the ConfigMap reads"
 )
-"""Why a credential's inline value is refused, after its name."""
+"""Why a credential not taken from a Secret is refused, after its name."""

@@ -230,6 +230,8 @@ class EffectiveConfig:
     ``weight_update`` clears the cache."""
     routing_replay_conflict: RoutingReplayConflict | None = None
     """How the job breaks its policy's spec.routingReplay, if it does."""
+    env: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """The job's own env of each role that sets one (``job_env``), as written."""
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -244,8 +246,8 @@ class EffectiveConfig:
 
     def document(self) -> dict[str, Any]:
         """The part that determines parity (written to the job's ConfigMap). ``lora`` only for a LoRA job and
-        ``routingReplay`` only for a replaying one, so that the fingerprint of a job with neither is what it was
-        before they existed."""
+        ``routingReplay`` only for a replaying one, and ``env`` only for a job that sets variables of its own, so that
+        the fingerprint of a job with none of them is what it was before they existed."""
         document: dict[str, Any] = {
             "model": self.model,
             "vllm": self.vllm,
@@ -256,6 +258,8 @@ class EffectiveConfig:
             document["lora"] = self.lora
         if self.routing_replay:
             document["routingReplay"] = True
+        if self.env:
+            document["env"] = self.env
         return document
 
     @property
@@ -365,4 +369,16 @@ def effective_config(spec: RLJobSpec, policy: ParityPolicy) -> EffectiveConfig:
         lora_conflict=lora_conflict(spec, policy.spec.lora),
         routing_replay=replay,
         routing_replay_conflict=routing_replay_conflict(spec, policy.spec.routing_replay),
+        env=job_env(spec),
     )
+
+
+def job_env(spec: RLJobSpec) -> dict[str, list[dict[str, Any]]]:
+    """Role (actors, trainer) → the variables the job sets on its pods, as written: a value, or where it comes from
+    (a Secret's name and key, never its value). The preflight runs with the actors' env."""
+    roles = {"actors": spec.actors.env, "trainer": spec.trainer.env}
+    return {
+        role: [variable.model_dump(mode="json", by_alias=True, exclude_none=True) for variable in env]
+        for role, env in roles.items()
+        if env
+    }

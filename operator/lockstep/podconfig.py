@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args, get_origin
+from typing import Any, get_args, get_origin
 
 from pydantic import Field, ValidationError
 
@@ -34,7 +34,8 @@ from lockstep.schema import Model
 class PodConfig(Model):
     """The job's effective configuration: the JSON file at ``$LOCKSTEP_CONFIG`` in each of its pods (key
     ``effective-config.json`` of its ConfigMap). The pods' ``lockstep.dev/config-fingerprint`` covers ``model``,
-    ``vllm``, ``trainer``, ``weightUpdate``, in a LoRA job ``training.lora`` and in a replaying job ``routingReplay``
+    ``vllm``, ``trainer``, ``weightUpdate``, in a LoRA job ``training.lora``, in a replaying job ``routingReplay`` and in
+    a job with variables of its own ``env``
     (lockstep.parity.EffectiveConfig.document)."""
 
     fingerprint: str = Field(description="sha256 of the parity part of this configuration, as each pod carries it")
@@ -53,6 +54,11 @@ class PodConfig(Model):
         description="whether the actors return the experts each token was routed to (spec.actors.routingReplay, or "
         "the policy's Required), with each sample, for the trainer to replay in its MoE layers "
         "(lockstep_workers.trainer.routing); vllm then has prefix caching on",
+    )
+    env: dict[str, list[dict[str, Any]]] | None = Field(
+        None,
+        description="the variables the job sets on its pods (spec.actors.env, spec.trainer.env), by role, as written "
+        "(a Secret's name and key, never its value)",
     )
     mismatch_budget: MismatchBudget = Field(
         description="the policy's budget; not part of the fingerprint: changing it changes no pod"

@@ -1,5 +1,6 @@
 """What the operator sets up in its pods stays its own: a job's env, volumes and volumeMounts may not take it over
-(issue 21 item 2). The CRD's CEL rules and the operator's own check say the same, from one list."""
+(issue 21 item 2); its env is an allow-list, and its credentials come from Secrets (issue 46 items 3 and 4). The
+CRD's CEL rules and the operator's own check say the same, from one list."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from hypothesis import strategies as st
 
 from factories import NOW, REWARD, job, policy, running
 from lockstep import api, environment
+from lockstep.api.output import OUTPUT_PATH_WHY, USER_INFO_WHY
 from lockstep.cli import _cel_errors, schema_errors
 from lockstep.conditions import READY, find
 from lockstep.reconcile import Observed, reconcile
+from lockstep.reconcile.policy import reserved_settings
 from lockstep.schema import structural_schema
 
 GPU = {"limits": {"nvidia.com/gpu": 1}}
@@ -135,39 +138,177 @@ def test_a_mount_of_the_shared_volume_whole_or_of_another_jobs_directory_is_refu
     assert f"spec.actors.volumeMounts[0].name: {why}" in ready.message
 
 
-@given(
-    st.sampled_from(
-        [
-            "VLLM_ATTENTION_BACKEND",
-            "VLLM_BATCH_INVARIANT",
-            "VLLM_USE_FLASHINFER_SAMPLER",
-            "VLLM_FLOAT32_MATMUL_PRECISION",
-            "VLLM_PLUGINS",
-            "VLLM_",
-            "VLLM_CPU_KVCACHE_SPACE",
-            "VLLM_LOGGING_LEVEL",
-            "VLLM_CPU_KVCACHE_SPACEX",
-            "PYTHONPATH",
-            "PYTHONHOME",
-            "PYTHONUNBUFFERED",
-            "NCCL_DEBUG",
-            "XVLLM_ATTENTION_BACKEND",
-        ]
-    )
-)
+LOCKED_PROBES = [
+    "VLLM_ATTENTION_BACKEND",
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_USE_FLASHINFER_SAMPLER",
+    "VLLM_FLOAT32_MATMUL_PRECISION",
+    "VLLM_PLUGINS",
+    "VLLM_",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_CPU_KVCACHE_SPACEX",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+    "DNNL_DEFAULT_FPMATH_MODE",
+    "NVIDIA_TF32_OVERRIDE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "TORCHINDUCTOR_FREEZING",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "MKL_CBWR",
+    "OMP_NUM_THREADS",
+    "OMP_SCHEDULE",
+    "KMP_DETERMINISTIC_REDUCTION",
+    "ATEN_CPU_CAPABILITY",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "PATH",
+    "PATHX",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONUSERBASE",
+    "PYTHONPYCACHEPREFIX",
+    "PYTHONSTARTUP",
+    "PYTHON_GIL",
+    "PYTHONUNBUFFERED",
+    "NCCL_DEBUG",
+    "XVLLM_ATTENTION_BACKEND",
+    "APP_SEED",
+    "HOME",
+]
+
+
+@given(st.sampled_from(LOCKED_PROBES))
 def test_the_crd_and_the_operator_refuse_the_same_numerics_and_code_variables(name: str) -> None:
-    """Issue 37, risk: VLLM_* variables change vLLM's numerics, and PYTHONPATH the code, behind the parity lock."""
+    """Issue 46 item 3: variables that change the workers' numerics or the code they load are refused whatever the
+    job's policy, each with its reason."""
     errors = crd_errors({"env": [{"name": name, "value": "1"}]})
-    assert bool(errors) == environment.locked_env(name), name
+    why = environment.locked_env_why(name)
+    assert bool(errors) == (why is not None), name
+    if why is not None:
+        assert errors == [f'spec.actors.env[0].name: Invalid value: "{name}": {name}{why}']
+
+
+def test_the_issues_probes_are_refused_as_numerics_or_code_loading() -> None:
+    numerics = ["ONEDNN_DEFAULT_FPMATH_MODE", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "MKL_CBWR"]
+    code = ["LD_PRELOAD", "PATH", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX", "PYTHONPATH"]
+    assert [environment.locked_env_why(name) for name in numerics] == [environment.NUMERICS_WHY] * len(numerics)
+    assert [environment.locked_env_why(name) for name in code] == [environment.CODE_LOADING_WHY] * len(code)
+    allowed = ["VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "HOME", "NCCL_SOCKET_IFNAME"]
+    assert [name for name in allowed if environment.locked_env_why(name) or not environment.allowed_env(name, None)] == []
+
+
+@given(st.sampled_from(["APP_", "LD_", "L", "P", "PY", "PYTHON_", "TORCH_", "T", "VLLM_", "LOCKSTEP_", "RAN", "OMP_",
+                        "CUBLASLT_", "HF_", "MY_APP_", "PATH_", "PAT"]))
+def test_the_crd_and_the_operator_refuse_the_same_env_prefixes(prefix: str) -> None:
+    """A job's spec.envPrefix, or a policy's, may reach no locked or reserved variable."""
+    schema = structural_schema(api.RLJobSpec)["properties"]["envPrefix"]
+    errors = _cel_errors(schema, prefix, "spec.envPrefix")
+    assert bool(errors) == environment.reaches_locked_env(prefix, prefix=True), prefix
     if errors:
-        assert errors == [f'spec.actors.env[0].name: Invalid value: "{name}": {name}{environment.LOCKED_ENV_WHY}']
+        assert errors == [f'spec.envPrefix: Invalid value: "{prefix}": {prefix}{environment.PREFIX_WHY}']
 
 
-@pytest.mark.parametrize("name", environment.CREDENTIAL_NAMES)
-def test_a_trackers_credential_is_refused_inline_and_taken_from_a_secret(name: str) -> None:
-    inline = {"name": name, "value": "s3cret"}
+@given(st.sampled_from(["WANDB_PROJECT", "LD_PRELOAD", "PATH", "PYTHONPATH", "RANK", "LOCKSTEP_X", "ONEDNN_X", "X"]))
+def test_a_policy_may_add_no_locked_name(name: str) -> None:
+    schema = structural_schema(api.EnvAllowance)["properties"]["names"]
+    errors = _cel_errors(schema, [name], "spec.env.names")
+    assert bool(errors) == environment.reaches_locked_env(name, prefix=False), name
+
+
+def test_an_unlisted_variable_is_refused_by_the_operator_unless_the_job_or_its_policy_allows_it() -> None:
+    """The list is the documented names, the job's own spec.envPrefix and the policy's spec.env; anything else is
+    refused before a pod runs, naming the variable and the fixes."""
+    body = job()
+    body["spec"]["trainer"]["env"] = [{"name": "APP_SEED", "value": "1"}, {"name": "WANDB_PROJECT", "value": "p"}]
+    plan = reconcile(Observed(body, [], [policy()], {}, NOW))
+    ready = find(plan.status.conditions, READY)
+    assert not plan.create_pods and ready is not None and ready.reason == "InvalidSpec"
+    assert ready.message == (
+        f"the RLJob spec is invalid: spec.trainer.env[0].name: APP_SEED{environment.UNLISTED_WHY}; "
+        f"spec.trainer.env[1].name: WANDB_PROJECT{environment.UNLISTED_WHY}; no pods run until it is fixed"
+    )
+    body["spec"]["envPrefix"] = "APP_"
+    widening = policy()
+    widening["spec"]["env"] = {"prefixes": ["WANDB_"]}
+    plan = reconcile(Observed(body, [], [widening], {}, NOW))
+    assert plan.create_pods and find(plan.status.conditions, READY).reason != "InvalidSpec"  # type: ignore[union-attr]
+
+
+def test_the_jobs_env_is_part_of_the_fingerprint() -> None:
+    """Issue 46 item 3: the effective env changes the fingerprint (and a job without env keeps its old one)."""
+    body = job()
+    plain = reconcile(Observed(body, [], [policy()], {}, NOW)).status.config_fingerprint
+    body["spec"]["actors"]["env"] = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "2"}]
+    sized = reconcile(Observed(body, [], [policy()], {}, NOW)).status.config_fingerprint
+    body["spec"]["actors"]["env"] = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}]
+    resized = reconcile(Observed(body, [], [policy()], {}, NOW)).status.config_fingerprint
+    assert len({plain, sized, resized}) == 3
+
+
+CREDENTIAL_PROBES = [
+    *environment.CREDENTIAL_NAMES,
+    "DATABRICKS_CLIENT_SECRET",
+    "APP_TOKEN",
+    "APP_SECRET_KEY",
+    "APP_DB_PASSWORD",
+    "APP_API_KEY",
+]
+
+
+@pytest.mark.parametrize("name", CREDENTIAL_PROBES)
+def test_a_credential_is_refused_inline_or_from_a_config_map_and_taken_from_a_secret(name: str) -> None:
+    """Issue 46 item 4: a credential by name or pattern comes only from a Secret."""
+    assert environment.credential(name)
     from_secret = {"name": name, "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}}}
+    inline = {"name": name, "value": "s3cret"}
+    from_config_map = {"name": name, "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "token"}}}
+    spec = {"envPrefix": "APP_"}
     for role in ("actors", "trainer"):
-        errors = schema_errors(job(**{role: {**job()["spec"][role], "env": [from_secret, inline]}})["spec"])
-        assert errors == [f"spec.{role}.env[1].value: Invalid value: {name}{environment.CREDENTIAL_WHY}"]
-    assert schema_errors(job(trainer={**job()["spec"]["trainer"], "env": [from_secret]})["spec"]) == []
+        body = job(**{role: {**job()["spec"][role], "env": [from_secret, inline, from_config_map]}})
+        errors = schema_errors({**body["spec"], **spec})
+        assert errors == [
+            f"spec.{role}.env[{index}]: Invalid value: {name}{environment.CREDENTIAL_WHY}" for index in (1, 2)
+        ]
+        problems = reserved_settings(api.RLJobSpec.model_validate({**body["spec"], **spec}))
+        assert problems == [f"spec.{role}.env[{index}]: {name}{environment.CREDENTIAL_WHY}" for index in (1, 2)]
+    assert schema_errors({**job(trainer={**job()["spec"]["trainer"], "env": [from_secret]})["spec"], **spec}) == []
+
+
+@pytest.mark.parametrize("name", ["AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "GOOGLE_APPLICATION_CREDENTIALS"])
+def test_settings_beside_credentials_may_be_inline(name: str) -> None:
+    assert not environment.credential(name) and environment.allowed_env(name, None)
+
+
+@pytest.mark.parametrize(
+    ("uri", "refused"),
+    [
+        ("https://user:secret@mlflow.example.com", True),
+        ("http://token@mlflow:5000/path", True),
+        ("https://mlflow.example.com/a@b", False),
+        ("https://mlflow.example.com", False),
+        ("databricks", False),
+    ],
+)
+def test_a_tracking_uri_with_user_info_is_refused(uri: str, refused: bool) -> None:
+    trainer = {**job()["spec"]["trainer"], "tracking": {"mlflow": {"trackingUri": uri}}}
+    spec = job(trainer=trainer)["spec"]
+    field = "spec.trainer.tracking.mlflow.trackingUri"
+    expected = [f"{field}: Invalid value: trackingUri{USER_INFO_WHY}"] if refused else []
+    assert schema_errors(spec) == expected
+    problems = reserved_settings(api.RLJobSpec.model_validate(spec))
+    assert problems == ([f"{field}: trackingUri{USER_INFO_WHY}"] if refused else [])
+
+
+@pytest.mark.parametrize(
+    ("path", "refused"),
+    [("/models/../etc", True), ("/models//out", True), ("/models/./out", True), ("/models/.", True), ("/models/out", False),
+     ("/models/out/", False), ("/models/..out", False)],
+)
+def test_an_output_path_not_written_plainly_is_refused(path: str, refused: bool) -> None:
+    """Issue 46, risk: spec.output accepted /models/../etc, // and /./."""
+    trainer = {**job()["spec"]["trainer"], "volumeMounts": [{"name": "models", "mountPath": "/models"}]}
+    spec = job(trainer=trainer, output={"path": path})["spec"]
+    expected = [f'spec.output.path: Invalid value: "{path}": {path}{OUTPUT_PATH_WHY}'] if refused else []
+    assert schema_errors(spec) == expected
+    problems = reserved_settings(api.RLJobSpec.model_validate(spec))
+    assert problems == ([f"spec.output.path: {path}{OUTPUT_PATH_WHY}"] if refused else [])

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field
 
 from lockstep.api.actors import VllmSettings
+from lockstep.api.pods import EnvAllowance
 from lockstep.api.shared import API_VERSION, DType, cel, validations
 from lockstep.schema import Model
 
@@ -193,6 +194,13 @@ class ParityPolicySpec(Model):
     weight_update: WeightUpdateSemantics = Field(
         default_factory=WeightUpdateSemantics,
         description="How an actor takes new weights mid-generation (vLLM's pause_generation arguments).",
+    )
+    env: EnvAllowance = Field(
+        default_factory=EnvAllowance,
+        description="Variables the jobs of the selected namespaces may set in spec.actors.env and spec.trainer.env "
+        "besides the documented ones (docs/security.md#environment) and those under their own spec.envPrefix. None "
+        "may change the numbers the workers compute or the code they load (ONEDNN_*, TORCH*, NVIDIA_*, VLLM_*, LD_*, "
+        "PATH, PYTHON*...): those no policy allows. Default: none.",
     )
     lora: Requirement = Field(
         Requirement.ALLOWED,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from lockstep import environment
-from lockstep.api.shared import cel, validations
+from lockstep.api.shared import cel, cel_literal, cel_starts_with_any, cel_strings, validations
 from lockstep.schema import OPAQUE_LIST, OPAQUE_OBJECT, Model
 
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
@@ -22,38 +22,51 @@ Quantity = Annotated[
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 
 
-def _cel_strings(items: tuple[str, ...]) -> str:
-    return "[" + ", ".join(f"'{item}'" for item in items) + "]"
-
-
 RESERVED_ENV_RULE = cel(
-    f"!self.startsWith('{environment.RESERVED_PREFIX}') && !(self in {_cel_strings(environment.RESERVED_NAMES)})",
+    f"!self.startsWith('{environment.RESERVED_PREFIX}') && !(self in {cel_strings(environment.RESERVED_NAMES)})",
     "the Lockstep operator sets this variable itself; remove it from env",
     message_expression=f"self + '{environment.RESERVED_ENV_WHY}'",
 )
 """The job's env may not take over a variable the operator sets (``environment.reserved_env``)."""
+_UNLISTED = f"!(self in {cel_strings(environment.ALLOWED_ENV)})"
+_NUMERICS = f"({_UNLISTED} && {cel_starts_with_any('self', environment.NUMERICS_ENV_PREFIXES)})"
+_CODE_LOADING = (
+    f"({_UNLISTED} && ({cel_starts_with_any('self', environment.CODE_LOADING_ENV_PREFIXES)} || "
+    f"self in {cel_strings(environment.CODE_LOADING_ENV_NAMES)}))"
+)
 LOCKED_ENV_RULE = cel(
-    f"!(self.startsWith('{environment.VLLM_PREFIX}') && !(self in {_cel_strings(environment.ALLOWED_VLLM_ENV)})) "
-    f"&& !(self in {_cel_strings(environment.CODE_PATH_NAMES)})",
-    "this variable would change what vLLM computes or the code the image runs, behind the lock of the ParityPolicy; "
-    "remove it from env",
-    message_expression=f"self + '{environment.LOCKED_ENV_WHY}'",
+    f"!{_NUMERICS} && !{_CODE_LOADING}",
+    "this variable would change the numbers the workers compute or the code they load, behind the lock of the "
+    "ParityPolicy; remove it from env",
+    message_expression=f"self + ({_NUMERICS} ? {cel_literal(environment.NUMERICS_WHY)} : "
+    f"{cel_literal(environment.CODE_LOADING_WHY)})",
 )
-"""The job's env may not change vLLM's numerics or the code a worker runs (``environment.locked_env``)."""
+"""The job's env may not change the workers' numerics or the code they load (``environment.locked_env_why``)."""
+_CREDENTIAL = (
+    f"(self.name in {cel_strings(environment.CREDENTIAL_NAMES)} || "
+    f"{' || '.join(f'self.name.endsWith({cel_literal(s)})' for s in environment.CREDENTIAL_SUFFIXES)} || "
+    f"{' || '.join(f'self.name.contains({cel_literal(s)})' for s in environment.CREDENTIAL_INFIXES)})"
+)
 CREDENTIAL_ENV_RULE = cel(
-    f"!(self.name in {_cel_strings(environment.CREDENTIAL_NAMES)}) || !has(self.value)",
-    "this variable is a credential: take it from a Secret (valueFrom.secretKeyRef), never inline",
-    field_path=".value",
-    message_expression=f"self.name + '{environment.CREDENTIAL_WHY}'",
+    f"!{_CREDENTIAL} || (!has(self.value) && has(self.valueFrom) && has(self.valueFrom.secretKeyRef))",
+    "this variable names a credential: take it from a Secret (valueFrom.secretKeyRef), never inline or from a "
+    "ConfigMap",
+    message_expression=f"self.name + {cel_literal(environment.CREDENTIAL_WHY)}",
 )
-"""An experiment tracker's credential comes from a Secret (``environment.CREDENTIAL_NAMES``)."""
+"""A credential comes from a Secret (``environment.credential``, ``environment.from_secret``)."""
+
+
+def unclean_path_cel(absolute: str) -> str:
+    """CEL: ``environment.unclean_path(absolute)``."""
+    unclean = [f"{absolute}.contains('{part}')" for part in environment.UNCLEAN_PATH_PARTS]
+    unclean += [f"{absolute}.endsWith('{ending}')" for ending in environment.UNCLEAN_PATH_ENDINGS]
+    return " || ".join(unclean)
 
 
 def _reserved_mount_cel() -> str:
     """CEL: ``environment.reserved_mount(self)``."""
     absolute = "(self.startsWith('/') ? self : '/' + self)"
-    unclean = [f"{absolute}.contains('{part}')" for part in environment.UNCLEAN_PATH_PARTS]
-    unclean += [f"{absolute}.endsWith('{ending}')" for ending in environment.UNCLEAN_PATH_ENDINGS]
+    unclean = [unclean_path_cel(absolute)]
     under = [f"{absolute} == '{root}' || {absolute}.startsWith('{root}/')" for root in environment.RESERVED_MOUNTS]
     return " || ".join(unclean + under)
 
@@ -116,8 +129,10 @@ class EnvVar(Model):
     name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=MAX_NAME_LENGTH)] = Field(
         description="The variable's name; not one the operator sets (LOCKSTEP_*, POD_NAME, POD_NAMESPACE, and the "
         "torch.distributed rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), nor one that changes "
-        "what vLLM computes or the code the image runs (VLLM_* but those that size memory and threads or set logs, "
-        "PYTHONPATH, PYTHONHOME).",
+        "the numbers the workers compute or the code they load (ONEDNN_*, MKL_*, OMP_*, TORCH*, NVIDIA_*, VLLM_*..., "
+        "LD_*, PATH, PYTHON*...). Only the documented variables (docs/security.md#environment), NCCL_*, those under "
+        "spec.envPrefix and those the ParityPolicy adds in its spec.env may be set; a credential (MLFLOW_TRACKING_TOKEN, "
+        "AWS_SECRET_ACCESS_KEY, *_TOKEN, *_PASSWORD, *_API_KEY, *_SECRET*...) only from a Secret (valueFrom.secretKeyRef).",
         json_schema_extra=validations(RESERVED_ENV_RULE, LOCKED_ENV_RULE),
     )
     value: str | None = Field(None, description="The value; unset with valueFrom.")
@@ -171,4 +186,49 @@ class PodOverrides(Model):
             ),
             ("mountPath", "Where the volume appears in the container, as in a pod.", RESERVED_MOUNT_RULE, 1024),
         ),
+    )
+
+
+def _reaches_locked_env_cel(*, prefix: bool) -> str:
+    """CEL: ``environment.reaches_locked_env(self, prefix=prefix)``."""
+    names = (*environment.CODE_LOADING_ENV_NAMES, *environment.RESERVED_NAMES)
+    reaches = f"{cel_starts_with_any('self', environment.DENIED_ENV_PREFIXES)} || self in {cel_strings(names)}"
+    if prefix:
+        reaches += f" || {cel_strings((*environment.DENIED_ENV_PREFIXES, *names))}.exists(l, l.startsWith(self))"
+    return reaches
+
+
+ENV_PREFIX_RULE = cel(
+    f"!({_reaches_locked_env_cel(prefix=True)})",
+    "this prefix reaches variables that change the numbers the workers compute, the code they load, or the "
+    "operator's own; choose a prefix of the job's own, e.g. APP_",
+    message_expression=f"self + {cel_literal(environment.PREFIX_WHY)}",
+)
+"""spec.envPrefix, and a ParityPolicy's spec.env.prefixes, reach no locked variable (``environment.reaches_locked_env``)."""
+ENV_NAME_RULE = cel(
+    f"!({_reaches_locked_env_cel(prefix=False)})",
+    "this variable changes the numbers the workers compute, the code they load, or is the operator's own: no policy "
+    "may allow it",
+    message_expression=f"self + {cel_literal(environment.PREFIX_WHY)}",
+)
+"""A ParityPolicy's spec.env.names are no locked variable (``environment.reaches_locked_env``)."""
+ENV_PREFIX_PATTERN = r"^[A-Za-z][A-Za-z0-9]*_$"
+EnvPrefix = Annotated[
+    str, Field(pattern=ENV_PREFIX_PATTERN, max_length=64, json_schema_extra=validations(ENV_PREFIX_RULE))
+]
+"""A prefix of variables, e.g. APP_: letters and digits, then one underscore."""
+EnvName = Annotated[
+    str, Field(pattern=ENV_NAME_PATTERN, max_length=MAX_NAME_LENGTH, json_schema_extra=validations(ENV_NAME_RULE))
+]
+
+
+class EnvAllowance(Model):
+    """Variables a ParityPolicy lets the jobs it governs set, besides the documented ones (docs/security.md#environment).
+    None may change the numbers the workers compute, the code they load, or be the operator's own."""
+
+    names: list[EnvName] = Field(
+        default_factory=list, max_length=MAX_PASSED_THROUGH, description="Whole names, e.g. WANDB_PROJECT."
+    )
+    prefixes: list[EnvPrefix] = Field(
+        default_factory=list, max_length=MAX_PASSED_THROUGH, description="Prefixes, e.g. WANDB_: every name under it."
     )

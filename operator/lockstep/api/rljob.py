@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field
 
 from lockstep.api.actors import ActorSpec
 from lockstep.api.output import Output
+from lockstep.api.pods import EnvPrefix
 from lockstep.api.shared import API_VERSION, DType, cel, immutable, validations
 from lockstep.api.status import RLJobStatus
 from lockstep.api.trainer import TrainerSpec
@@ -100,6 +101,13 @@ class RLJobSpec(Model):
     )
     parity_policy: Annotated[str, Field(min_length=1)] | None = Field(
         None, description="ParityPolicy to apply; default: the cluster's default policy."
+    )
+    env_prefix: EnvPrefix | None = Field(
+        None,
+        description="The prefix of the variables the job's own code reads (its reward function, a custom image), "
+        "e.g. APP_: spec.actors.env and spec.trainer.env may set any variable under it, besides the documented ones "
+        "(docs/security.md#environment) and those the ParityPolicy adds. It may reach no variable that changes the "
+        "numbers the workers compute or the code they load. Default: unset, the documented variables only.",
     )
     actors: ActorSpec = Field(description="The vLLM rollout servers (pods <job>-actor-<i>).")
     trainer: TrainerSpec = Field(description="The trainer (pods <job>-trainer-<rank>; rank 0 drives the rollouts).")

@@ -33,6 +33,22 @@ def cel(
     return entry
 
 
+def cel_literal(text: str) -> str:
+    """``text`` as a double-quoted CEL string (the messages here hold neither double quotes nor backslashes)."""
+    assert '"' not in text and "\\" not in text, text
+    return f'"{text}"'
+
+
+def cel_strings(items: tuple[str, ...]) -> str:
+    """``items`` as a CEL list of strings."""
+    return "[" + ", ".join(cel_literal(item) for item in items) + "]"
+
+
+def cel_starts_with_any(subject: str, prefixes: tuple[str, ...]) -> str:
+    """CEL: whether ``subject`` starts with one of ``prefixes``."""
+    return "(" + " || ".join(f"{subject}.startsWith({cel_literal(prefix)})" for prefix in prefixes) + ")"
+
+
 def validations(*rules: dict[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": list(rules)}
 

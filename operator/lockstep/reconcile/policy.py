@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from lockstep import environment
 from lockstep.api import Enforcement, ParityPolicy, Phase, RLJobSpec
+from lockstep.api.output import OUTPUT_PATH_WHY, USER_INFO_WHY, has_user_info
 from lockstep.conditions import PARITY_LOCKED, READY
 from lockstep.parity import EffectiveConfig, PolicyError, effective_config, select_policy
 from lockstep.reconcile import summary
@@ -32,16 +33,21 @@ def valid_spec(run: Pass) -> RLJobSpec | None:
 
 
 def reserved_settings(spec: RLJobSpec) -> list[str]:
-    """Where the job's env, volumes or volumeMounts take over the operator's own, or its env changes vLLM's numerics
-    or the workers' code (``lockstep.environment``), in the CRD's words. The CRD refuses them; this stops a job
-    that was created before it did, or past its admission."""
+    """Where the job's env, volumes or volumeMounts take over the operator's own, its env changes the workers'
+    numerics or code or holds a credential not from a Secret (``lockstep.environment``), its tracking URI carries
+    user info or its output path is not plain, in the CRD's words. The CRD refuses them; this stops a job that was
+    created before it did, or past its admission."""
     problems = []
     for role, overrides in (("actors", spec.actors), ("trainer", spec.trainer)):
         for index, variable in enumerate(overrides.env or []):
+            field = f"spec.{role}.env[{index}]"
             if environment.reserved_env(variable.name):
-                problems.append(f"spec.{role}.env[{index}].name: {variable.name}{environment.RESERVED_ENV_WHY}")
-            if environment.locked_env(variable.name):
-                problems.append(f"spec.{role}.env[{index}].name: {variable.name}{environment.LOCKED_ENV_WHY}")
+                problems.append(f"{field}.name: {variable.name}{environment.RESERVED_ENV_WHY}")
+            if why := environment.locked_env_why(variable.name):
+                problems.append(f"{field}.name: {variable.name}{why}")
+            written = variable.model_dump(mode="json", by_alias=True, exclude_none=True)
+            if environment.credential(variable.name) and not environment.from_secret(written):
+                problems.append(f"{field}: {variable.name}{environment.CREDENTIAL_WHY}")
         for index, mount in enumerate(overrides.volume_mounts or []):
             if environment.reserved_volume(name := str(mount.get("name", ""))):
                 field = f"spec.{role}.volumeMounts[{index}].name"
@@ -52,7 +58,28 @@ def reserved_settings(spec: RLJobSpec) -> list[str]:
         for index, volume in enumerate(overrides.volumes or []):
             if environment.reserved_volume(name := str(volume.get("name", ""))):
                 problems.append(f"spec.{role}.volumes[{index}].name: volume {name}{environment.RESERVED_VOLUME_WHY}")
+    mlflow = spec.trainer.tracking.mlflow
+    if mlflow is not None and mlflow.tracking_uri is not None and has_user_info(mlflow.tracking_uri):
+        problems.append(f"spec.trainer.tracking.mlflow.trackingUri: trackingUri{USER_INFO_WHY}")
+    if spec.output is not None and environment.unclean_path(spec.output.path):
+        problems.append(f"spec.output.path: {spec.output.path}{OUTPUT_PATH_WHY}")
     return problems
+
+
+def unlisted_env(spec: RLJobSpec, policy: ParityPolicy) -> list[str]:
+    """The job's variables that are not on its list (``environment.allowed_env``: the documented ones, those under
+    spec.envPrefix and those ``policy`` adds), each with UNLISTED_WHY. The locked ones are ``reserved_settings``'."""
+    allowance = policy.spec.env
+    return [
+        f"spec.{role}.env[{index}].name: {variable.name}{environment.UNLISTED_WHY}"
+        for role, overrides in (("actors", spec.actors), ("trainer", spec.trainer))
+        for index, variable in enumerate(overrides.env or [])
+        if not environment.reserved_env(variable.name)
+        and environment.locked_env_why(variable.name) is None
+        and not environment.allowed_env(
+            variable.name, spec.env_prefix, tuple(allowance.names), tuple(allowance.prefixes)
+        )
+    ]
 
 
 def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
@@ -69,6 +96,12 @@ def resolve(run: Pass, spec: RLJobSpec) -> EffectiveConfig | None:
             )
         run.condition(PARITY_LOCKED, False, Reason(error.reason), message)
         run.condition(READY, False, Reason(error.reason), message)
+        return None
+    if unlisted := unlisted_env(spec, policy):
+        run.stop_all_pods(spec, "the job sets variables that are not on its list")
+        run.status.phase = Phase.PENDING
+        message = f"the RLJob spec is invalid: {'; '.join(unlisted)}; no pods run until it is fixed"
+        run.condition(READY, False, Reason.INVALID_SPEC, message)
         return None
     config = effective_config(spec, policy)
     run.status.parity_policy = config.policy
