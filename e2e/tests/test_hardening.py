@@ -15,7 +15,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from lockstep import api, keys
+from lockstep import api, environment, keys
+from lockstep.api.output import OUTPUT_PATH_WHY, USER_INFO_WHY
 from lockstep.events import PassScope
 from lockstep.protocol import PROTOCOL
 from lockstep_e2e.agents import running_agents
@@ -515,8 +516,12 @@ def test_a_non_finite_trainer_report_is_named_and_the_weight_updates_go_on(
             {"name": "lockstep-shared", "mountPath": "/mnt/other", "subPath": str(uuid.UUID(int=7))},
             "holds the weights of every job",
         ),
-        ("env", {"name": "VLLM_ATTENTION_BACKEND", "value": "TORCH_SDPA"}, "would change what vLLM computes"),
-        ("env", {"name": "PYTHONPATH", "value": "/mnt/mine"}, "PYTHONPATH and PYTHONHOME are set by the image"),
+        (
+            "env",
+            {"name": "VLLM_ATTENTION_BACKEND", "value": "TORCH_SDPA"},
+            "would change the numbers the actors or the trainer compute",
+        ),
+        ("env", {"name": "PYTHONPATH", "value": "/mnt/mine"}, "would change the code the workers load"),
     ],
     ids=["shared-volume-whole", "another-jobs-directory", "vllm-numerics", "pythonpath"],
 )
@@ -533,3 +538,62 @@ def test_a_job_may_not_mount_the_operators_volumes_nor_set_numerics_or_code_vari
     with pytest.raises(ApiException) as updated:
         patch_job(kube, namespace, "overreach", {"spec": {"actors": {field: [value]}}})
     assert updated.value.status == 422 and words in json.loads(updated.value.body)["message"]
+
+
+SECRET_REF = {"secretKeyRef": {"name": "tracking", "key": "token"}}
+ENV_PROBES = {
+    "numerics": ("actors", {"name": "ONEDNN_DEFAULT_FPMATH_MODE", "value": "BF16"}, environment.NUMERICS_WHY),
+    "tf32": ("trainer", {"name": "NVIDIA_TF32_OVERRIDE", "value": "1"}, environment.NUMERICS_WHY),
+    "code-loading": ("actors", {"name": "LD_PRELOAD", "value": "/tmp/mine.so"}, environment.CODE_LOADING_WHY),
+    "inline-credential": (
+        "trainer",
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "s3cret"},
+        environment.CREDENTIAL_WHY,
+    ),
+    "credential-from-configmap": (
+        "trainer",
+        {"name": "MLFLOW_TRACKING_TOKEN", "valueFrom": {"configMapKeyRef": {"name": "tracking", "key": "token"}}},
+        environment.CREDENTIAL_WHY,
+    ),
+}
+
+
+def test_the_environment_lock_and_credentials_refuse_the_issues_probes(kube: client.ApiClient, namespace: str) -> None:
+    """Issue 46 items 3 and 4 and the spec.output risk: ONEDNN_DEFAULT_FPMATH_MODE, NVIDIA_TF32_OVERRIDE,
+    LD_PRELOAD, an inline AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_TOKEN from a ConfigMap, a trackingUri with user info
+    and an output path through .. are refused by the API server, each naming the variable and the fix; a variable on
+    no list (the operator's own check, since the job's ParityPolicy may widen the list) leaves the job InvalidSpec
+    with no pod, until the job declares its prefix."""
+    for role, variable, why in ENV_PROBES.values():
+        body = rljob("probe", actors=1)
+        body["spec"][role]["env"] = [variable]
+        assert f"{variable['name']}{why}" in invalid(lambda body=body: create_job(kube, namespace, body))
+    tracking = rljob("probe", actors=1, trainer={"tracking": {"mlflow": {"trackingUri": "https://u:s3cret@mlflow"}}})
+    assert f"trackingUri{USER_INFO_WHY}" in invalid(lambda: create_job(kube, namespace, tracking))
+    output = rljob("probe", actors=1, output={"path": "/models/../etc"})
+    output["spec"]["trainer"]["volumeMounts"] = [{"name": "models", "mountPath": "/models"}]
+    output["spec"]["trainer"]["volumes"] = [{"name": "models", "emptyDir": {}}]
+    assert f"/models/../etc{OUTPUT_PATH_WHY}" in invalid(lambda: create_job(kube, namespace, output))
+
+    unlisted = rljob("unlisted", actors=1)
+    unlisted["spec"]["trainer"]["env"] = [
+        {"name": "APP_SEED", "value": "7"},
+        {"name": "MLFLOW_TRACKING_TOKEN", "valueFrom": SECRET_REF},
+    ]
+    create_job(kube, namespace, unlisted)
+    wait_for(
+        lambda: condition(get_job(kube, namespace, "unlisted"), "Ready").get("reason") == "InvalidSpec", "InvalidSpec"
+    )
+    message = condition(get_job(kube, namespace, "unlisted"), "Ready")["message"]
+    assert f"spec.trainer.env[0].name: APP_SEED{environment.UNLISTED_WHY}" in message, message
+    assert "MLFLOW_TRACKING_TOKEN" not in message and job_pods(kube, namespace, "unlisted") == []
+    patch_job(kube, namespace, "unlisted", {"spec": {"envPrefix": "APP_"}})
+    wait_for(lambda: job_pods(kube, namespace, "unlisted") != [], "the job's pods, once it declares APP_")
+
+
+def invalid(call: Callable[[], object]) -> str:
+    """The API server's message for a request the CRD's rules refuse (422 Invalid)."""
+    with pytest.raises(ApiException) as refused:
+        call()
+    assert refused.value.status == 422, refused.value.body
+    return str(json.loads(refused.value.body)["message"])

@@ -150,6 +150,15 @@ ALLOWED_ENV = (
     "https_proxy",
     "no_proxy",
     "SSL_CERT_FILE",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_SDK_DISABLED",
     "REQUESTS_CA_BUNDLE",
     "CURL_CA_BUNDLE",
     "MLFLOW_TRACKING_USERNAME",
@@ -186,10 +195,11 @@ ALLOWED_ENV = (
 )
 """The documented variables a job may set on its actors, preflight and trainers (docs/security.md#environment):
 sizes, logs, telemetry, timeouts and places (ALLOWED_VLLM_ENV, HOME, OMP_NUM_THREADS...), the Hugging Face hub's
-cache and offline mode, network proxies and CA bundles, and the experiment trackers' and cloud SDKs' settings and
-credentials (a credential only from a Secret: ``credential``). None changes a number the actors or the trainer
-compute, or the code they load. Besides these: every NCCL_* (ALLOWED_ENV_PREFIXES), every variable under the job's
-own spec.envPrefix, and what the job's ParityPolicy adds (spec.allowedEnv)."""
+cache and offline mode, network proxies and CA bundles, OpenTelemetry's exporter (docs/observability.md), and the
+experiment trackers' and cloud SDKs' settings and credentials (a credential only from a Secret: ``credential``).
+None changes a number the actors or the trainer compute, or the code they load. Besides these: every NCCL_*
+(ALLOWED_ENV_PREFIXES), every variable under the job's own spec.envPrefix, and what the job's ParityPolicy adds
+(spec.env)."""
 ALLOWED_ENV_PREFIXES = ("NCCL_",)
 """Families a job may set whole: NCCL's transport (the operator sets none; they move bytes, not the numbers the
 actors and the trainer compare)."""
@@ -240,6 +250,7 @@ CREDENTIAL_NAMES = (
     "AZURE_STORAGE_CONNECTION_STRING",
     "HF_TOKEN",
     "WANDB_API_KEY",
+    "OTEL_EXPORTER_OTLP_HEADERS",
 )
 """The experiment trackers' and cloud SDKs' credentials by name; ``credential`` also takes the names the
 CREDENTIAL_SUFFIXES and CREDENTIAL_INFIXES describe."""
@@ -361,7 +372,9 @@ def reserved_mount(path: str) -> bool:
     not written plainly (``unclean_path``: the container runtime resolves it, and a plain path is the only one this
     check can read). A relative path counts from the root, as the runtime takes it."""
     absolute = path if path.startswith("/") else f"/{path}"
-    return unclean_path(absolute) or any(absolute == root or absolute.startswith(root + "/") for root in RESERVED_MOUNTS)
+    return unclean_path(absolute) or any(
+        absolute == root or absolute.startswith(root + "/") for root in RESERVED_MOUNTS
+    )
 
 
 CREDENTIAL_WHY = (

@@ -34,9 +34,8 @@ from lockstep.schema import Model
 class PodConfig(Model):
     """The job's effective configuration: the JSON file at ``$LOCKSTEP_CONFIG`` in each of its pods (key
     ``effective-config.json`` of its ConfigMap). The pods' ``lockstep.dev/config-fingerprint`` covers ``model``,
-    ``vllm``, ``trainer``, ``weightUpdate``, in a LoRA job ``training.lora``, in a replaying job ``routingReplay`` and in
-    a job with variables of its own ``env``
-    (lockstep.parity.EffectiveConfig.document)."""
+    ``vllm``, ``trainer``, ``weightUpdate``, in a LoRA job ``training.lora``, in a replaying job ``routingReplay``
+    and in a job with variables of its own ``env`` (lockstep.parity.EffectiveConfig.document)."""
 
     fingerprint: str = Field(description="sha256 of the parity part of this configuration, as each pod carries it")
     policy: str = Field(description="the ParityPolicy this configuration comes from")

@@ -194,11 +194,34 @@ def test_the_issues_probes_are_refused_as_numerics_or_code_loading() -> None:
     assert [environment.locked_env_why(name) for name in numerics] == [environment.NUMERICS_WHY] * len(numerics)
     assert [environment.locked_env_why(name) for name in code] == [environment.CODE_LOADING_WHY] * len(code)
     allowed = ["VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "HOME", "NCCL_SOCKET_IFNAME"]
-    assert [name for name in allowed if environment.locked_env_why(name) or not environment.allowed_env(name, None)] == []
+    assert [
+        name for name in allowed if environment.locked_env_why(name) or not environment.allowed_env(name, None)
+    ] == []
 
 
-@given(st.sampled_from(["APP_", "LD_", "L", "P", "PY", "PYTHON_", "TORCH_", "T", "VLLM_", "LOCKSTEP_", "RAN", "OMP_",
-                        "CUBLASLT_", "HF_", "MY_APP_", "PATH_", "PAT"]))
+@given(
+    st.sampled_from(
+        [
+            "APP_",
+            "LD_",
+            "L",
+            "P",
+            "PY",
+            "PYTHON_",
+            "TORCH_",
+            "T",
+            "VLLM_",
+            "LOCKSTEP_",
+            "RAN",
+            "OMP_",
+            "CUBLASLT_",
+            "HF_",
+            "MY_APP_",
+            "PATH_",
+            "PAT",
+        ]
+    )
+)
 def test_the_crd_and_the_operator_refuse_the_same_env_prefixes(prefix: str) -> None:
     """A job's spec.envPrefix, or a policy's, may reach no locked or reserved variable."""
     schema = structural_schema(api.RLJobSpec)["properties"]["envPrefix"]
@@ -301,8 +324,15 @@ def test_a_tracking_uri_with_user_info_is_refused(uri: str, refused: bool) -> No
 
 @pytest.mark.parametrize(
     ("path", "refused"),
-    [("/models/../etc", True), ("/models//out", True), ("/models/./out", True), ("/models/.", True), ("/models/out", False),
-     ("/models/out/", False), ("/models/..out", False)],
+    [
+        ("/models/../etc", True),
+        ("/models//out", True),
+        ("/models/./out", True),
+        ("/models/.", True),
+        ("/models/out", False),
+        ("/models/out/", False),
+        ("/models/..out", False),
+    ],
 )
 def test_an_output_path_not_written_plainly_is_refused(path: str, refused: bool) -> None:
     """Issue 46, risk: spec.output accepted /models/../etc, // and /./."""

@@ -4,7 +4,6 @@ servable (spec.output)."""
 from __future__ import annotations
 
 import re
-
 from typing import Annotated
 
 from pydantic import ConfigDict, Field

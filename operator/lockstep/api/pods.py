@@ -129,10 +129,11 @@ class EnvVar(Model):
     name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=MAX_NAME_LENGTH)] = Field(
         description="The variable's name; not one the operator sets (LOCKSTEP_*, POD_NAME, POD_NAMESPACE, and the "
         "torch.distributed rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), nor one that changes "
-        "the numbers the workers compute or the code they load (ONEDNN_*, MKL_*, OMP_*, TORCH*, NVIDIA_*, VLLM_*..., "
-        "LD_*, PATH, PYTHON*...). Only the documented variables (docs/security.md#environment), NCCL_*, those under "
-        "spec.envPrefix and those the ParityPolicy adds in its spec.env may be set; a credential (MLFLOW_TRACKING_TOKEN, "
-        "AWS_SECRET_ACCESS_KEY, *_TOKEN, *_PASSWORD, *_API_KEY, *_SECRET*...) only from a Secret (valueFrom.secretKeyRef).",
+        "the numbers the workers compute or the code they load (ONEDNN_*, MKL_*, OMP_*, TORCH*, NVIDIA_*, "
+        "VLLM_*..., LD_*, PATH, PYTHON*...). Only the documented variables (docs/security.md#environment), NCCL_*, "
+        "those under spec.envPrefix and those the ParityPolicy adds in its spec.env may be set; a credential "
+        "(MLFLOW_TRACKING_TOKEN, AWS_SECRET_ACCESS_KEY, *_TOKEN, *_PASSWORD, *_API_KEY, *_SECRET*...) only from a "
+        "Secret (valueFrom.secretKeyRef).",
         json_schema_extra=validations(RESERVED_ENV_RULE, LOCKED_ENV_RULE),
     )
     value: str | None = Field(None, description="The value; unset with valueFrom.")
@@ -204,7 +205,8 @@ ENV_PREFIX_RULE = cel(
     "operator's own; choose a prefix of the job's own, e.g. APP_",
     message_expression=f"self + {cel_literal(environment.PREFIX_WHY)}",
 )
-"""spec.envPrefix, and a ParityPolicy's spec.env.prefixes, reach no locked variable (``environment.reaches_locked_env``)."""
+"""spec.envPrefix, and a ParityPolicy's spec.env.prefixes, reach no locked variable
+(``environment.reaches_locked_env``)."""
 ENV_NAME_RULE = cel(
     f"!({_reaches_locked_env_cel(prefix=False)})",
     "this variable changes the numbers the workers compute, the code they load, or is the operator's own: no policy "
@@ -223,8 +225,9 @@ EnvName = Annotated[
 
 
 class EnvAllowance(Model):
-    """Variables a ParityPolicy lets the jobs it governs set, besides the documented ones (docs/security.md#environment).
-    None may change the numbers the workers compute, the code they load, or be the operator's own."""
+    """Variables a ParityPolicy lets the jobs it governs set, besides the documented ones
+    (docs/security.md#environment). None may change the numbers the workers compute, the code they load, or be the
+    operator's own."""
 
     names: list[EnvName] = Field(
         default_factory=list, max_length=MAX_PASSED_THROUGH, description="Whole names, e.g. WANDB_PROJECT."
