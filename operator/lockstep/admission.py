@@ -21,6 +21,10 @@ Likewise a policy whose ``spec.routingReplay`` is ``Forbidden`` refuses a job th
 ``spec.actors.routingReplay``, and one whose ``spec.routingReplay`` is ``Required`` a job whose actors cannot replay
 (pipeline parallel: ``routing_replay_validations``, in ``parity.routing_replay_refusal``'s words).
 
+Whatever its enforcement, the policy a job uses refuses a job whose ``spec.actors.env`` or ``spec.trainer.env``
+sets a variable that is not on its list (``env_validation``): the documented ones, those under the job's
+``spec.envPrefix`` and those the policy's ``spec.env`` adds.
+
 Whatever its enforcement, a policy a job names in ``spec.parityPolicy`` must select the job's namespace, or the
 request is refused (reason ``Forbidden``): an administrator scopes which namespaces may use a policy with its
 ``spec.namespaceSelector``, so that no job escapes an Enforce default by naming a laxer policy.
@@ -35,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep import api, keys
-from lockstep.api.shared import cel_literal
+from lockstep import api, environment, keys
+from lockstep.api.shared import cel_literal, cel_starts_with_any, cel_strings
 from lockstep.parity import lora_refusal, routing_replay_refusal
 from lockstep.schema import structural_schema
 
@@ -206,9 +210,35 @@ def policy() -> dict[str, Any]:
             "validations": [applicable()]
             + [validation(key) for key in vllm_keys()]
             + lora_validations()
-            + routing_replay_validations(),
+            + routing_replay_validations()
+            + [env_validation(role) for role in ("actors", "trainer")],
         },
     )
+
+
+def env_validation(role: str) -> dict[str, str]:
+    """The check that the variables of ``spec.<role>.env`` are on the job's list (``environment.allowed_env``: the
+    documented ones, those under spec.envPrefix and those its policy's spec.env adds), for the policy the job uses,
+    whatever its enforcement (``reconcile.policy.unlisted_env`` agrees). The locked and reserved ones, and
+    credentials, are the CRD's rules."""
+    allowance = "params.spec.env"
+    allowed = " || ".join(
+        [
+            f"e.name in {cel_strings(environment.ALLOWED_ENV)}",
+            cel_starts_with_any("e.name", environment.ALLOWED_ENV_PREFIXES),
+            "(has(object.spec.envPrefix) && e.name.startsWith(object.spec.envPrefix))",
+            f"(has({allowance}) && has({allowance}.names) && e.name in {allowance}.names)",
+            f"(has({allowance}) && has({allowance}.prefixes) && {allowance}.prefixes.exists(p, e.name.startsWith(p)))",
+        ]
+    )
+    env = f"object.spec.{role}.env"
+    unlisted = f"{env}.filter(e, !({allowed})).map(e, e.name).join(', ')"
+    return {
+        "expression": f"!variables.selected || !variables.inNamespace || !has({env}) || {env}.all(e, {allowed})",
+        "messageExpression": f"'spec.{role}.env: ' + {unlisted} + {cel_literal(environment.UNLISTED_WHY)}",
+        "message": f"spec.{role}.env{environment.UNLISTED_WHY}",
+        "reason": "Invalid",
+    }
 
 
 def applicable() -> dict[str, str]:

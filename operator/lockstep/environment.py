@@ -289,15 +289,15 @@ CODE_LOADING_WHY = (
 )
 """Why a job's variable of CODE_LOADING_ENV_PREFIXES or CODE_LOADING_ENV_NAMES is refused, after its name."""
 UNLISTED_WHY = (
-    " is not a variable a job may set (docs/security.md#environment lists them): name the job's own variables "
-    "under the prefix it declares in spec.envPrefix (e.g. APP_), or ask the administrator to add it to the "
-    "ParityPolicy's spec.env"
+    ": not on the list of variables a job may set (docs/security.md#environment): name the job's own variables "
+    "under the prefix it declares in spec.envPrefix (e.g. APP_), or ask the administrator to add them to the spec.env "
+    "of the ParityPolicy"
 )
-"""Why a job's variable that is neither locked nor allowed is refused, after its name."""
+"""Why a job's variables that are neither locked nor allowed are refused, after their names."""
 PREFIX_WHY = (
-    " would reach variables that change the numbers the workers compute, the code they load, or the operator's "
-    f"own ({', '.join(f'{p}*' for p in DENIED_ENV_PREFIXES)}, {', '.join(CODE_LOADING_ENV_NAMES)}); choose a prefix "
-    "of the job's own, e.g. APP_"
+    " is, or reaches, a variable that changes the numbers the workers compute or the code they load, or one the "
+    f"operator sets ({', '.join(f'{p}*' for p in DENIED_ENV_PREFIXES)}, {', '.join(CODE_LOADING_ENV_NAMES)}...): "
+    "no job or policy may allow it; choose names of the job's own, e.g. under APP_"
 )
 """Why spec.envPrefix, or an entry of a ParityPolicy's spec.env, is refused, after it."""
 

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from factories import NOW, REWARD, job, policy, running
-from lockstep import api, environment
+from factories import NOW, REWARD, evaluate, job, policy, running
+from lockstep import admission, api, environment
 from lockstep.api.output import OUTPUT_PATH_WHY, USER_INFO_WHY
 from lockstep.cli import _cel_errors, schema_errors
 from lockstep.conditions import READY, find
 from lockstep.reconcile import Observed, reconcile
-from lockstep.reconcile.policy import reserved_settings
+from lockstep.reconcile.policy import reserved_settings, unlisted_env
 from lockstep.schema import structural_schema
 
 GPU = {"limits": {"nvidia.com/gpu": 1}}
@@ -342,3 +342,29 @@ def test_an_output_path_not_written_plainly_is_refused(path: str, refused: bool)
     assert schema_errors(spec) == expected
     problems = reserved_settings(api.RLJobSpec.model_validate(spec))
     assert problems == ([f"spec.output.path: {path}{OUTPUT_PATH_WHY}"] if refused else [])
+
+
+@given(
+    st.lists(st.sampled_from(["APP_SEED", "WANDB_PROJECT", "HF_HOME", "NCCL_DEBUG", "MY_FLAG", "OMP_NUM_THREADS"])),
+    st.sampled_from([None, "APP_", "MY_"]),
+    st.sampled_from([{}, {"names": ["WANDB_PROJECT"]}, {"prefixes": ["WANDB_", "MY_"]}]),
+)
+def test_the_admission_policy_and_the_operator_refuse_the_same_unlisted_variables(
+    names: list[str], prefix: str | None, allowance: dict[str, list[str]]
+) -> None:
+    """The API server refuses, for the policy a job uses, what the operator refuses (``unlisted_env``), in words
+    that name each variable."""
+    body = job(**({"envPrefix": prefix} if prefix else {}))
+    body["spec"]["trainer"]["env"] = [{"name": name, "value": "1"} for name in names]
+    widening = policy()
+    widening["spec"]["env"] = allowance
+    check = admission.env_validation("trainer")
+    activation = {"object": body, "params": widening, "variables": {"selected": True, "inNamespace": True}}
+    refused = unlisted_env(api.RLJobSpec.model_validate(body["spec"]), api.ParityPolicy.model_validate(widening))
+    assert bool(evaluate(check["expression"], **activation)) is not refused
+    if refused:
+        unlisted = [name for name in names if any(f": {name}:" in problem for problem in refused)]
+        expected = f"spec.trainer.env: {', '.join(unlisted)}{environment.UNLISTED_WHY}"
+        assert evaluate(check["messageExpression"], **activation) == expected
+    other = {**activation, "variables": {"selected": False, "inNamespace": True}}
+    assert bool(evaluate(check["expression"], **other)), "only the policy the job uses checks its env"

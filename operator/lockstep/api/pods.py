@@ -121,6 +121,10 @@ class Resources(Model):
     )
 
 
+VALUE_SOURCES = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
+"""The sources of an env entry's value, as in a pod: declared, so that CEL may ask which one an entry uses."""
+
+
 class EnvVar(Model):
     """An environment variable of the role's container, as in a pod: a value, or valueFrom a source."""
 
@@ -139,8 +143,9 @@ class EnvVar(Model):
     value: str | None = Field(None, description="The value; unset with valueFrom.")
     value_from: dict[str, Any] | None = Field(
         None,
-        description="A source of the value, as in a pod: fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef.",
-        json_schema_extra=OPAQUE_OBJECT,
+        description="A source of the value, as in a pod: fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef "
+        "(a credential's only source).",
+        json_schema_extra={**OPAQUE_OBJECT, "properties": {source: OPAQUE_OBJECT for source in VALUE_SOURCES}},
     )
 
 
