@@ -208,10 +208,10 @@ def policy() -> dict[str, Any]:
             ],
             "variables": [{"name": name, "expression": expression} for name, expression in _VARIABLES],
             "validations": [applicable()]
+            + [env_validation(role) for role in ("actors", "trainer")]
             + [validation(key) for key in vllm_keys()]
             + lora_validations()
-            + routing_replay_validations()
-            + [env_validation(role) for role in ("actors", "trainer")],
+            + routing_replay_validations(),
         },
     )
 

@@ -366,5 +366,6 @@ def test_the_admission_policy_and_the_operator_refuse_the_same_unlisted_variable
         unlisted = [name for name in names if any(f": {name}:" in problem for problem in refused)]
         expected = f"spec.trainer.env: {', '.join(unlisted)}{environment.UNLISTED_WHY}"
         assert evaluate(check["messageExpression"], **activation) == expected
+    assert check in admission.policy()["spec"]["validations"]
     other = {**activation, "variables": {"selected": False, "inNamespace": True}}
     assert bool(evaluate(check["expression"], **other)), "only the policy the job uses checks its env"

@@ -25,6 +25,7 @@ WRITTEN = {
     "evalVersion": 9,
     "digest": "sha256:" + "0" * 64,
 }
+OUTPUT = {"path": "/models/out"}
 
 
 def output_spec(path: str, mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def test_the_trainer_pod_reads_spec_output_and_a_change_of_it_replaces_the_train
 
 
 def test_the_written_model_reaches_status_output_in_the_pass_where_the_job_succeeds() -> None:
-    body, pods = settle(job())
+    body, pods = settle(job(output=OUTPUT))
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
     pods[2] = running(pods[2], phase="Succeeded", ready=False)
     done = plan_for(body, pods)
@@ -85,7 +86,7 @@ def test_the_written_model_reaches_status_output_in_the_pass_where_the_job_succe
 
 
 def test_a_refused_output_report_names_the_annotation_and_keeps_the_last_valid_one() -> None:
-    body, pods = settle(job())
+    body, pods = settle(job(output=OUTPUT))
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
     first = plan_for(body, pods)
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps({**WRITTEN, "version": -1})
@@ -93,3 +94,22 @@ def test_a_refused_output_report_names_the_annotation_and_keeps_the_last_valid_o
     assert refused.status.output == first.status.output
     valid = next(c for c in refused.status.conditions if c.type == "TrainerReportsValid")
     assert valid.status.value == "False" and f"{keys.OUTPUT} on the trainer" in valid.message
+
+
+@pytest.mark.parametrize(
+    ("output", "report"),
+    [
+        (None, WRITTEN),
+        (OUTPUT, {**WRITTEN, "path": "/etc/v000012"}),
+        (OUTPUT, {**WRITTEN, "path": "/models/out/v000011"}),
+        ({"path": "/models/out2"}, WRITTEN),
+    ],
+    ids=["no-spec-output", "elsewhere", "another-version", "a-sibling-directory"],
+)
+def test_an_output_report_that_is_not_a_write_of_spec_output_does_not_reach_status_output(
+    output: dict[str, str] | None, report: dict[str, Any]
+) -> None:
+    """Issue 46, risk: rank 0's report was copied to status.output even when spec.output was unset."""
+    body, pods = settle(job(**({"output": output} if output else {})))
+    pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(report)
+    assert plan_for(body, pods).status.output is None

@@ -145,7 +145,13 @@ class EnvVar(Model):
         None,
         description="A source of the value, as in a pod: fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef "
         "(a credential's only source).",
-        json_schema_extra={**OPAQUE_OBJECT, "properties": {source: OPAQUE_OBJECT for source in VALUE_SOURCES}},
+        json_schema_extra={
+            **OPAQUE_OBJECT,
+            "properties": {
+                source: {**OPAQUE_OBJECT, "description": f"As a pod's env[].valueFrom.{source}."}
+                for source in VALUE_SOURCES
+            },
+        },
     )
 
 

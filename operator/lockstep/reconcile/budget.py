@@ -64,14 +64,21 @@ def reports(run: Pass, rank0: dict[str, Any] | None) -> Reports:
     )
 
 
-def record_results(run: Pass, rank0: dict[str, Any] | None) -> None:
+def record_results(run: Pass, spec: RLJobSpec, rank0: dict[str, Any] | None) -> None:
     """The trainer's last evaluation and the model it wrote last (on its pod), into status.evaluation and
-    status.output."""
+    status.output; the latter only where the job asks for an output and the report names a directory of it
+    (``written_in_output``): a report without spec.output, or elsewhere, is not the job's model."""
     found = reports(run, rank0)
     if found.evaluation is not None:
         run.status.evaluation = found.evaluation
-    if found.output is not None:
+    if found.output is not None and written_in_output(spec, found.output):
         run.status.output = found.output
+
+
+def written_in_output(spec: RLJobSpec, output: OutputResult) -> bool:
+    """Whether ``output`` names the directory the trainer writes its version in: <spec.output.path>/v<version, 6
+    digits> (lockstep_workers.export)."""
+    return spec.output is not None and output.path == f"{spec.output.path.rstrip('/')}/v{output.version:06d}"
 
 
 def check(run: Pass, spec: RLJobSpec, config: EffectiveConfig, rank0: dict[str, Any] | None) -> Updates:
