@@ -404,7 +404,7 @@ def test_a_pod_that_squats_a_jobs_pod_name_is_named_in_the_jobs_condition_and_an
     assert ready["status"] == "False" and phase(get_job(kube, namespace, "squatted")) == "Pending"
     assert "pod squatted-trainer-0 exists and is not Lockstep's" in ready["message"]
     assert "owned by nobody, written by " in ready["message"], "its managedFields name what created it"
-    assert f"kubectl delete pod -n {namespace} squatted-trainer-0" in ready["message"]
+    assert f"kubectl delete -n {namespace} pod squatted-trainer-0" in ready["message"]
     assert condition(get_job(kube, namespace, "squatted"), "Stalled")["status"] == "True"
 
 
