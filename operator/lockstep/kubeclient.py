@@ -99,9 +99,16 @@ class KubeClient:
         return _absent_as_none(lambda: self.apps.read_namespaced_stateful_set(name, namespace, _preload_content=False))
 
     def read_group_set(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return _absent_as_none(
-            lambda: self.custom.get_namespaced_custom_object(*_group_set(namespace, name), _preload_content=False)
-        )
+        """None also when the operator may not read LeaderWorkerSets (the chart's leaderWorkerSet.enabled is off):
+        then none is the job's, and applying one is refused in the job's status."""
+        try:
+            return _absent_as_none(
+                lambda: self.custom.get_namespaced_custom_object(*_group_set(namespace, name), _preload_content=False)
+            )
+        except ApiException as error:
+            if error.status == 403:
+                return None
+            raise
 
     # -- writes (lockstep.applier.ApplierClient) -------------------------------------------
 
