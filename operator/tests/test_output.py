@@ -69,8 +69,12 @@ def test_the_trainer_pod_reads_spec_output_and_a_change_of_it_replaces_the_train
     assert hashes[0] != hashes[1]
 
 
+def with_output() -> dict[str, Any]:
+    return job(**{k: v for k, v in output_spec("/models/out", [MODELS]).items() if k in ("output", "trainer")})
+
+
 def test_the_written_model_reaches_status_output_in_the_pass_where_the_job_succeeds() -> None:
-    body, pods = settle(job())
+    body, pods = settle(with_output())
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
     pods[2] = running(pods[2], phase="Succeeded", ready=False)
     done = plan_for(body, pods)
@@ -85,7 +89,7 @@ def test_the_written_model_reaches_status_output_in_the_pass_where_the_job_succe
 
 
 def test_a_refused_output_report_names_the_annotation_and_keeps_the_last_valid_one() -> None:
-    body, pods = settle(job())
+    body, pods = settle(with_output())
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
     first = plan_for(body, pods)
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps({**WRITTEN, "version": -1})
@@ -93,3 +97,10 @@ def test_a_refused_output_report_names_the_annotation_and_keeps_the_last_valid_o
     assert refused.status.output == first.status.output
     valid = next(c for c in refused.status.conditions if c.type == "TrainerReportsValid")
     assert valid.status.value == "False" and f"{keys.OUTPUT} on the trainer" in valid.message
+
+
+def test_an_output_report_of_a_job_without_spec_output_is_not_copied_to_the_status() -> None:
+    """Issue 46's risk: rank 0 reported a model the job never asked for (the trainer's token may write it)."""
+    body, pods = settle(job())
+    pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
+    assert plan_for(body, pods).status.output is None

@@ -79,7 +79,7 @@ def _steps(run: Pass) -> None:
     children = classify(run, wanted, config.fingerprint)
     if wanted.preflight is not None and preflight.run_check(run, spec, config, children) is Next.DONE:
         return
-    budget.record_results(run, children.rank0)
+    budget.record_results(run, spec, children.rank0)
     if children.rank0 is not None and pod_phase(children.rank0) == "Succeeded":
         weights.finish_training(run, spec, config, children)
         return

@@ -64,13 +64,13 @@ def reports(run: Pass, rank0: dict[str, Any] | None) -> Reports:
     )
 
 
-def record_results(run: Pass, rank0: dict[str, Any] | None) -> None:
+def record_results(run: Pass, spec: RLJobSpec, rank0: dict[str, Any] | None) -> None:
     """The trainer's last evaluation and the model it wrote last (on its pod), into status.evaluation and
-    status.output."""
+    status.output; an output report of a job without spec.output is no model the job asked for, and is not copied."""
     found = reports(run, rank0)
     if found.evaluation is not None:
         run.status.evaluation = found.evaluation
-    if found.output is not None:
+    if found.output is not None and spec.output is not None:
         run.status.output = found.output
 
 
