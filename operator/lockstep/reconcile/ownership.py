@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep import desired
-from lockstep.api import API_VERSION
+from lockstep.api.shared import GROUP
 
 STATEFUL_SET = "StatefulSet"
 
@@ -26,14 +26,14 @@ def controller_of(metadata: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def made_by_job(metadata: dict[str, Any], job: desired.JobRef) -> bool:
-    """Whether the object's controller is the RLJob ``job`` itself."""
+    """Whether the object's controller is the RLJob ``job`` itself (of any version of Lockstep's API)."""
     ref = controller_of(metadata)
-    return ref is not None and (ref.get("apiVersion"), ref.get("kind"), ref.get("name"), ref.get("uid")) == (
-        API_VERSION,
-        "RLJob",
-        job.name,
-        job.uid,
-    )
+    return ref is not None and (
+        str(ref.get("apiVersion")).split("/")[0],
+        ref.get("kind"),
+        ref.get("name"),
+        ref.get("uid"),
+    ) == (GROUP, "RLJob", job.name, job.uid)
 
 
 @dataclass(frozen=True)

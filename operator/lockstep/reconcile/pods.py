@@ -138,8 +138,8 @@ def foreign_group_set(run: Pass, spec: RLJobSpec) -> dict[str, Any] | None:
 
 def group_set_edits(run: Pass) -> list[str]:
     """Who else wrote the spec of the job's own LeaderWorkerSet (its managedFields: any manager but the operator's
-    server-side apply, status writes aside): any field of its templates, not only those the operator sets, is the
-    job's, so such a set is replaced whole."""
+    server-side apply, status writes aside; a scale is a write of the spec too): any field of its templates, not
+    only those the operator sets, is the job's, so such a set is replaced whole."""
     found = run.observed.group_set
     if found is None or not ownership.made_by_job(found["metadata"], run.job):
         return []
@@ -148,7 +148,7 @@ def group_set_edits(run: Pass) -> list[str]:
             f"{entry.get('manager', '?')} ({entry.get('operation', '?')})"
             for entry in found["metadata"].get("managedFields") or []
             if not (entry.get("manager") == keys.FIELD_MANAGER and entry.get("operation") == "Apply")
-            and not entry.get("subresource")
+            and entry.get("subresource") != "status"
             and "f:spec" in (entry.get("fieldsV1") or {})
         }
     )
