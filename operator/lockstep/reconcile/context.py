@@ -125,10 +125,12 @@ class Pass:
         self.plan = Plan(status=status)
         owners = ownership.Owners(observed.owners)
         by_uid = {str(p["metadata"].get("uid")): p for p in observed.pods}
-        labelled = {p["metadata"]["name"]: p for p in observed.pods if not p["metadata"].get("deletionTimestamp")}
-        self.pods = {n: p for n, p in labelled.items() if ownership.is_child(p, self.job, owners, by_uid)}
-        """The job's pods that are not being deleted, by name: its children alone (lockstep.reconcile.ownership)."""
-        self.squatters = {n: p for n, p in labelled.items() if n not in self.pods}
+        self.own_pods = [p for p in observed.pods if ownership.is_child(p, self.job, owners, by_uid)]
+        """Every pod of the job's own (lockstep.reconcile.ownership), those being deleted included."""
+        self.pods = {p["metadata"]["name"]: p for p in self.own_pods if not p["metadata"].get("deletionTimestamp")}
+        """The job's own pods that are not being deleted, by name."""
+        labelled = (p for p in observed.pods if not p["metadata"].get("deletionTimestamp"))
+        self.squatters = {p["metadata"]["name"]: p for p in labelled if p["metadata"]["name"] not in self.pods}
         """Pods that wear the job's labels but are not its children: reported, never members, never written to."""
         self.updates_stalled: str | None = None
         """Why no weight update opens for the version the actors should load (lockstep.barrier.held_back), for
