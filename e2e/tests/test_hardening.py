@@ -568,6 +568,7 @@ def test_a_statefulset_that_squats_a_jobs_actor_is_refused_and_its_pod_is_never_
         keys.ROLE: keys.ACTOR,
         keys.GROUP_SET_NAME: "taken-actor",
         "app.kubernetes.io/instance": "taken",
+        "leaderworkerset.sigs.k8s.io/worker-index": "0",  # a leader, to LeaderWorkerSet's pod webhook
     }
 
     def stateful_set(name: str, pod_labels: dict[str, str]) -> dict[str, Any]:
@@ -579,7 +580,7 @@ def test_a_statefulset_that_squats_a_jobs_actor_is_refused_and_its_pod_is_never_
                 "serviceName": name,
                 "selector": {"matchLabels": pod_labels},
                 "template": {
-                    "metadata": {"labels": pod_labels},
+                    "metadata": {"labels": pod_labels, "annotations": {"leaderworkerset.sigs.k8s.io/size": "1"}},
                     "spec": {"containers": [{"name": "main", "image": "busybox"}]},
                 },
             },
