@@ -202,3 +202,15 @@ def test_the_jobs_leader_worker_set_edited_by_anyone_else_is_replaced_whole(
         assert f"{manager} ({operation})" in parity.message
     else:
         assert ("LeaderWorkerSet", "demo-actor") not in plan.remove_children and applied
+
+
+def test_a_pod_whose_statefulset_is_gone_is_left_to_the_garbage_collector_unreported() -> None:
+    """LeaderWorkerSet makes a group's StatefulSet anew: the old one's pods, until the garbage collector deletes them,
+    name a StatefulSet that is no longer there; they are no members, and no taken names either."""
+    body, pods = running_groups()
+    worker = next(p for p in pods if p["metadata"]["labels"][keys.ROLE] == keys.ACTOR_WORKER)
+    orphan = owned(worker, owner_reference("StatefulSet", "demo-actor-0", "uid-gone", "apps/v1"))
+    rest = [p for p in pods if p is not worker]
+    plan = reconcile(Observed(body, [*rest, orphan], [policy()], {}, NOW))
+    assert find(plan.status.conditions, READY) is None or condition(plan, READY)[1] != "PodNameTaken"
+    assert worker["metadata"]["name"] not in plan.annotate_pods

@@ -130,8 +130,13 @@ class Pass:
         self.pods = {p["metadata"]["name"]: p for p in self.own_pods if not p["metadata"].get("deletionTimestamp")}
         """The job's own pods that are not being deleted, by name."""
         labelled = (p for p in observed.pods if not p["metadata"].get("deletionTimestamp"))
-        self.squatters = {p["metadata"]["name"]: p for p in labelled if p["metadata"]["name"] not in self.pods}
-        """Pods that wear the job's labels but are not its children: reported, never members, never written to."""
+        self.squatters = {
+            p["metadata"]["name"]: p
+            for p in labelled
+            if p["metadata"]["name"] not in self.pods and not ownership.awaiting_collection(p, owners)
+        }
+        """Pods that wear the job's labels but are not its children (nor left to the garbage collector): reported,
+        never members, never written to."""
         self.updates_stalled: str | None = None
         """Why no weight update opens for the version the actors should load (lockstep.barrier.held_back), for
         Ready; None when none is stalled."""

@@ -70,6 +70,14 @@ def is_child(pod: dict[str, Any], job: desired.JobRef, owners: Owners, pods_by_u
     return False
 
 
+def awaiting_collection(pod: dict[str, Any], owners: Owners) -> bool:
+    """Whether ``pod``'s controller is a StatefulSet that is gone (not read under the UID its reference names): the
+    garbage collector deletes such a pod, as when LeaderWorkerSet makes a group's StatefulSet anew. Never a child,
+    and not worth a condition."""
+    ref = controller_of(pod["metadata"])
+    return ref is not None and ref.get("kind") == STATEFUL_SET and str(ref.get("uid")) not in owners.by_uid
+
+
 def _stateful_set(pod: dict[str, Any], owners: Owners) -> dict[str, Any] | None:
     ref = controller_of(pod["metadata"])
     return None if ref is None or ref.get("apiVersion") != "apps/v1" else owners.owner(ref, STATEFUL_SET)
