@@ -24,7 +24,7 @@ from lockstep.api import AdvantageEstimator, Objective
 from lockstep_workers.rollout.record import Rollout, lag_of
 from lockstep_workers.trainer import routing
 from lockstep_workers.trainer.objective import Batch, Statistics, loss_denominator, policy_loss
-from lockstep_workers.trainer.optimization import clip_gradients
+from lockstep_workers.trainer.optimization import SkippedSteps, clip_gradients
 from lockstep_workers.weights import lora
 
 HEAD_CHUNK_TOKENS = 4096
@@ -291,11 +291,14 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _gradient_statistics(norm: float) -> Statistics:
-    """An optimiser step's gradient norm (before clipping). It is the whole model's, the same on every rank, so
-    rank 0's alone is counted (every rank has the statistics, which ``across_ranks`` adds)."""
+def _gradient_statistics(norm: float, taken: bool) -> Statistics:
+    """An optimiser step's gradient norm (before clipping), or a step skipped (``taken`` False) for a norm that is
+    not finite, which no metric averages in. The norm is the whole model's, the same on every rank, so rank 0's
+    alone is counted (every rank has the statistics, which ``across_ranks`` adds)."""
     counted = 1.0 if not dist.is_initialized() or dist.get_rank() == 0 else 0.0
-    return Statistics({"grad_norm": norm * counted, "optimizer_steps": counted})
+    if not taken:
+        return Statistics({"optimizer_steps": 0.0, "skipped_optimizer_steps": counted})
+    return Statistics({"grad_norm": norm * counted, "optimizer_steps": counted, "skipped_optimizer_steps": 0.0})
 
 
 def _summed(values: list[float], device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
@@ -334,6 +337,7 @@ def learn(
     max_tokens: int | None = None,
     reference: Policy | None = None,
     replay_routing: bool = False,
+    skipped: SkippedSteps | None = None,
 ) -> dict[str, float]:
     """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
     micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics (its sums and counts over the
@@ -356,6 +360,10 @@ def learn(
     measures the routing (routing_mismatch against the engine's, expert_load_imbalance), and with
     objective.router_aux_loss_coefficient the loss adds the routers' load-balancing loss. Never otherwise: the
     model's own forward, which adds it with output_router_logits, is not what computes the loss here.
+
+    An optimiser step whose gradient norm is not finite is skipped: its gradients are dropped and no weight changes
+    (metric ``skipped_optimizer_steps``, and a warning). ``skipped`` counts them in a row across calls (the trainer's
+    own; None: this call's alone) and raises NonFiniteGradients at its limit.
     """
     if version is not None and max_lag is not None:
         stale = [lag_of(r, version) for r in rollouts if lag_of(r, version) > max_lag]
@@ -364,6 +372,7 @@ def learn(
                 f"{len(stale)} rollout(s) up to {max(stale)} versions behind weights version {version}, more than "
                 f"spec.trainer.maxLag {max_lag}: they must be dropped before learning"
             )
+    skipped = skipped if skipped is not None else SkippedSteps()
     device = device_of(policy)
     everything = list(range(len(rollouts)))
     widest = max(len(r.completion) for r in rollouts)
@@ -440,8 +449,12 @@ def learn(
                 (loss * _world()).backward()
             statistics += measured
         norm = clip_gradients(policy.parameters(), objective.optimizer.max_grad_norm)
-        statistics += _gradient_statistics(norm)
-        optimizer.step()
+        if skipped.allows(norm):
+            optimizer.step()
+            statistics += _gradient_statistics(norm, taken=True)
+        else:
+            optimizer.zero_grad()
+            statistics += _gradient_statistics(norm, taken=False)
     if version is not None:
         statistics += _staleness(rollouts, old, rollout, mask, version)
     return {**statistics.metrics(), **statistics.as_floats()}

@@ -133,8 +133,8 @@ class Leader:
 @dataclass(frozen=True)
 class Run:
     """What the steps run with, on every rank: the job's training settings, this pod's environment, the base model's
-    path, this rank's model and its learning rates (at ``first_step``'s rate), the ParityPolicy's mismatch budget, and
-    on rank 0 its ``leader`` side."""
+    path, this rank's model and its learning rates (at ``first_step``'s rate), the ParityPolicy's mismatch budget, on
+    rank 0 its ``leader`` side, and the optimiser steps skipped in a row."""
 
     settings: Training
     env: PodEnvironment
@@ -144,6 +144,8 @@ class Run:
     first_step: int
     budget: float
     leader: Leader | None
+    skipped: optimization.SkippedSteps = field(default_factory=optimization.SkippedSteps)
+    """The optimiser steps skipped in a row for a gradient norm that is not finite, across the steps."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,7 @@ def _learn(run: Run, step: int, batch: Sampled, device: torch.device) -> dict[st
         max_tokens=rollout.max_tokens,
         reference=run.model.reference,
         replay_routing=env.config is not None and env.config.routing_replay,
+        skipped=run.skipped,
     )
     metrics = across_ranks(metrics, device)
     metrics["learn_seconds"] = time.monotonic() - learning

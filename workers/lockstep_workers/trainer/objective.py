@@ -147,6 +147,7 @@ class Statistics:
             out["kl_ref"] = ratio("kl_ref", "tokens")
         if "optimizer_steps" in s:
             out["grad_norm"] = ratio("grad_norm", "optimizer_steps")
+            out["skipped_optimizer_steps"] = s.get("skipped_optimizer_steps", 0.0)
         if "samples" in s:
             out["reward"] = ratio("reward", "samples")
             out["zero_advantage_groups"] = s["zero_advantage_groups"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -50,6 +51,7 @@ from lockstep_workers.tiny_models import FAMILIES, create_tiny_model, family
 from lockstep_workers.trainer import learner
 from lockstep_workers.trainer.learner import Policy, learn, token_logprobs
 from lockstep_workers.trainer.objective import Statistics
+from lockstep_workers.trainer.optimization import NonFiniteGradients, SkippedSteps
 from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.trainer.shaping import masked_if_cut
 from lockstep_workers.weights import lora
@@ -322,6 +324,39 @@ def test_a_sample_older_than_max_lag_never_reaches_the_loss(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"1 rollout\(s\) up to 2 versions behind weights version 5, more than "):
         learn(Policy(model), optimizer, [fresh, stale], [0.0, 1.0], Objective(), TEMPERATURE, version=5, max_lag=1)
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items()), "no step taken"
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_too_many_in_a_row_stop_the_trainer(tmp_path: Path) -> None:
+    """Issue 46 item 5: a finite loss whose backward overflows (here a hook makes one gradient infinite) no longer
+    steps AdamW, which wrote NaN into the weights: both minibatches are skipped and counted, the weights are the
+    ones the step started from; the next finite step learns; the limit in a row raises NonFiniteGradients."""
+    model = tiny(tmp_path / "model")
+    rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=2, length=4)
+    rewards = [0.0, 1.0, 1.0, 0.0]
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    overflow = model.lm_head.weight.register_hook(lambda gradient: gradient * math.inf)
+    skipped = SkippedSteps()
+    metrics = learn(Policy(model), optimizer, rollouts, rewards, Objective(minibatches=2), TEMPERATURE, skipped=skipped)
+    assert math.isfinite(metrics["loss"]) and metrics["skipped_optimizer_steps"] == 2.0 and skipped.in_a_row == 2
+    assert metrics["grad_norm"] == 0.0, "no step taken: none averaged"
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items()), "no weight moved"
+    overflow.remove()
+    metrics = learn(Policy(model), optimizer, rollouts, rewards, Objective(minibatches=2), TEMPERATURE, skipped=skipped)
+    assert metrics["skipped_optimizer_steps"] == 0.0 and skipped.in_a_row == 0 and metrics["grad_norm"] > 0
+    assert all(t.isfinite().all() for t in model.state_dict().values())
+    assert any(not torch.equal(t, before[n]) for n, t in model.state_dict().items()), "the finite step learned"
+    model.lm_head.weight.register_hook(lambda gradient: gradient * math.nan)
+    with pytest.raises(NonFiniteGradients, match="2 optimiser steps in a row had gradient norm nan"):
+        learn(
+            Policy(model),
+            optimizer,
+            rollouts,
+            rewards,
+            Objective(minibatches=2),
+            TEMPERATURE,
+            skipped=SkippedSteps(limit=2),
+        )
 
 
 def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
