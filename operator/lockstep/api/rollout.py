@@ -130,11 +130,12 @@ class RolloutSettings(Model):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling: a prompt group whose rewards are all equal (no advantage, so no "
-        "gradient) is dropped, and another prompt of the step's is sampled in its place, until the step has "
-        "promptsPerStep groups with signal or has sampled maxExtraGroups more (step metrics dropped_groups, "
-        "extra_groups and unfilled_groups). Each step then draws promptsPerStep + maxExtraGroups prompts from the "
-        "dataset (or the prompt source) and samples the extra ones only as needed; those it does not need are not "
-        "sampled in that pass.",
+        "gradient, under the grpo, dr_grpo and rloo estimators; under reinforce_plus_plus, which has no group "
+        "baseline, it has one, and is dropped all the same) is dropped, and another prompt of the step's is "
+        "sampled in its place, until the step has promptsPerStep groups with signal or has sampled "
+        "maxExtraGroups more (step metrics dropped_groups, extra_groups and unfilled_groups). Each step then "
+        "draws promptsPerStep + maxExtraGroups prompts from the dataset (or the prompt source) and samples the "
+        "extra ones only as needed; those it does not need are not sampled in that pass.",
     )
     max_extra_groups: Annotated[int, Field(ge=1, le=65536)] | None = Field(
         None,

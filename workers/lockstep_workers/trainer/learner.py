@@ -242,11 +242,14 @@ def group_advantages(
     """Each reward against its group's (``estimator`` grpo, dr_grpo or rloo, docs/recipes.md): grpo, minus the
     group's mean, over its population standard deviation (divided by the group's size, not size - 1 as verl's
     sample one is) plus 1e-6; dr_grpo, minus the group's mean; rloo, minus the mean of the group's other rewards (0
-    alone in its group). A group whose rewards are all equal gets 0."""
+    alone in its group). A group whose rewards are all equal gets exactly 0 (its mean, a sum over a count, can differ
+    from its rewards in the last bit)."""
     advantages = torch.zeros_like(rewards)
     for group in groups.unique():
         members = groups == group
         values = rewards[members]
+        if values.unique().numel() == 1:
+            continue
         centred = values - values.mean()
         if estimator is AdvantageEstimator.GRPO:
             advantages[members] = centred / (values.std(unbiased=False) + 1e-6)
@@ -260,21 +263,23 @@ def group_advantages(
 def whitened_rewards(rewards: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
     """REINFORCE++'s advantages: each reward (every token's return, with one reward at the end and no discount)
     whitened over every token of the step on every rank, as verl's masked_whiten: (r - mean) / sqrt(var + 1e-8),
-    mean and unbiased variance over the tokens (``tokens``: each sequence's count; a collective)."""
-    count, total, squares = _summed(
-        [tokens.sum().item(), (tokens * rewards).sum().item(), (tokens * rewards**2).sum().item()], device
-    )
+    mean and unbiased variance over the tokens (``tokens``: each sequence's count; two collectives). The variance is
+    taken in two passes, the squares of the rewards' distances to the mean: one pass (the mean of the squares minus
+    the square of the mean) loses every digit of a small spread around a large reward."""
+    count, total = _summed([tokens.sum().item(), (tokens * rewards).sum().item()], device)
     mean = total / max(count, 1.0)
-    variance = (squares - count * mean**2) / (count - 1) if count > 1 else 0.0
-    return (rewards - mean) / math.sqrt(max(variance, 0.0) + 1e-8)
+    (squares,) = _summed([(tokens * (rewards - mean) ** 2).sum().item()], device)
+    variance = squares / (count - 1) if count > 1 else 0.0
+    return (rewards - mean) / math.sqrt(variance + 1e-8)
 
 
 def _batch_statistics(
-    rewards: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, kept: torch.Tensor
+    rewards: torch.Tensor, advantages: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, kept: torch.Tensor
 ) -> Statistics:
-    """The rewards, the groups whose rewards are all equal (no advantage, no gradient) and the sampled tokens the
-    trainer's top-p set leaves out."""
-    equal = sum(int(rewards[groups == group].unique().numel() == 1) for group in groups.unique())
+    """The rewards, the groups whose advantages are all 0 (no gradient: under grpo, dr_grpo and rloo a group whose
+    rewards are all equal; under reinforce_plus_plus, which has no group baseline, only one whose rewards are all
+    the step's mean) and the sampled tokens the trainer's top-p set leaves out."""
+    equal = sum(int(bool((advantages[groups == group] == 0).all())) for group in groups.unique())
     return Statistics(
         {
             "samples": float(len(rewards)),
@@ -410,7 +415,7 @@ def learn(
         advantages = whitened_rewards(reward, mask.sum(dim=-1).double().cpu(), device).to(device)
     else:
         advantages = group_advantages(reward, groups, objective.advantage).to(device)
-    statistics = _batch_statistics(reward, groups, sampled.cpu(), mask.cpu()) + Statistics(routed)
+    statistics = _batch_statistics(reward, advantages.cpu(), groups, sampled.cpu(), mask.cpu()) + Statistics(routed)
     for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
         rows = torch.isin(groups, chunk).nonzero()[:, 0].tolist()
         # What the minibatch's loss averages over, on every rank together: each micro-batch's loss is weighted by

@@ -359,6 +359,21 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_too_many_in_a_row_st
         )
 
 
+def test_zero_advantage_groups_are_those_without_advantage_under_each_estimator(tmp_path: Path) -> None:
+    """Issue 46 item 6: a group whose rewards are all equal has no advantage under grpo, but under reinforce_plus_plus
+    (no group baseline) it has one, its reward against the step's mean: the metric counted it as having none."""
+    model = tiny(tmp_path / "model")
+    rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=2, length=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    found = {
+        estimator: learn(
+            Policy(model), optimizer, rollouts, [1.0, 1.0, 0.0, 1.0], Objective(advantage=estimator), TEMPERATURE
+        )["zero_advantage_groups"]
+        for estimator in ("grpo", "reinforce_plus_plus")
+    }
+    assert found == {"grpo": 1.0, "reinforce_plus_plus": 0.0}
+
+
 def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
     """Two copies of a batch whose environment tokens carry different rollout logprobs train alike; without the
     mask the difference would reach the loss (through the importance weights)."""

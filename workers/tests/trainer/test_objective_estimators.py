@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -191,12 +192,15 @@ def test_group_advantages_are_the_estimators_formulas(
 @given(
     rewards=st.lists(st.floats(-5, 5), min_size=2, max_size=10),
     lengths=st.lists(st.integers(0, 6), min_size=10, max_size=10),
+    offset=st.sampled_from([0.0, 1e5, -1e6]),
 )
 def test_reinforce_plus_plus_whitens_the_rewards_over_the_steps_tokens(
-    rewards: list[float], lengths: list[int]
+    rewards: list[float], lengths: list[int], offset: float
 ) -> None:
     """verl's masked_whiten of the returns: each token's return is its sequence's reward (one reward at the end,
-    no discount); mean and unbiased variance over every token."""
+    no discount); mean and unbiased variance over every token, also around a large reward (``offset``), against
+    torch's own float64 variance of every token's return."""
+    rewards = [offset + reward for reward in rewards]
     tokens = torch.tensor(lengths[: len(rewards)], dtype=torch.float64)
     values = torch.repeat_interleave(torch.tensor(rewards, dtype=torch.float64), tokens.long())
     found = whitened_rewards(torch.tensor(rewards, dtype=torch.float64), tokens, torch.device("cpu"))
@@ -204,3 +208,24 @@ def test_reinforce_plus_plus_whitens_the_rewards_over_the_steps_tokens(
         return
     expected = (torch.tensor(rewards, dtype=torch.float64) - values.mean()) * torch.rsqrt(values.var() + 1e-8)
     torch.testing.assert_close(found, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reinforce_plus_plus_keeps_a_small_spread_around_a_large_reward() -> None:
+    """Issue 46 item 5: the one-pass variance (mean of squares minus square of the mean) gave [1e5, 1e5 + 1e-3]
+    advantages of +-5.0; the exact ones, 100 tokens each, are +-0.978."""
+    rewards = torch.tensor([1e5, 1e5 + 1e-3], dtype=torch.float64)
+    found = whitened_rewards(rewards, torch.tensor([100.0, 100.0], dtype=torch.float64), torch.device("cpu"))
+    spread = 5e-4 * math.sqrt(200 / 199)  # the unbiased standard deviation over the 200 tokens
+    exact = 5e-4 / math.sqrt(spread**2 + 1e-8)
+    assert found.tolist() == [pytest.approx(-exact, rel=1e-6), pytest.approx(exact, rel=1e-6)]
+    assert abs(exact - 0.978) < 1e-3
+
+
+def test_a_group_whose_rewards_are_all_equal_gets_exactly_no_advantage() -> None:
+    """Their mean can differ from them in the last bit (three 0.1s average to 0.10000000000000002), which gave grpo
+    advantages of 1e-11 where the API promises none."""
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.2, 0.3], dtype=torch.float64)
+    for estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO, AdvantageEstimator.RLOO):
+        found = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1]), estimator)
+        assert found[:3].tolist() == [0.0, 0.0, 0.0], estimator
+        assert found[3:].abs().min() > 0
