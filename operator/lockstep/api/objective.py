@@ -223,6 +223,13 @@ class Objective(Model):
     clip_epsilon_high: Annotated[float, Field(gt=0)] = Field(
         0.28, description="Upper clip range: the ratio is clipped above at 1 + clipEpsilonHigh."
     )
+    dual_clip_ratio: Annotated[float, Field(gt=1, le=100)] | None = Field(
+        None,
+        description="Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, 3 by default in verl's vanilla loss): a "
+        "term with a negative advantage A is bounded below at dualClipRatio x A, so that a ratio far above 1 on a "
+        "token to discourage cannot give it an unbounded loss (metric pg_clipfrac_lower, the fraction of terms it "
+        "bounds). For every algorithm (gspo: on its sequence ratio). Unset: off, the loss of the single clip.",
+    )
     rollout_correction: RolloutCorrection = Field(
         default_factory=RolloutCorrection,
         description="How the loss corrects for the behaviour policy (the rollout engine) differing from the "

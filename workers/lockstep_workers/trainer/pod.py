@@ -38,6 +38,7 @@ STEP_METRICS = (
     "reward_errors",
     "entropy",
     "clamp_log_ratio_new_old_indicator",
+    "pg_clipfrac_lower",
     "kl_new_old",
     "ess",
     "mean_abs_logprob_diff",

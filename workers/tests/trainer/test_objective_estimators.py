@@ -44,10 +44,12 @@ def reference_loss(
     coefficient: float,
     reference: torch.Tensor,
     kl: tuple[float, KlEstimator],
+    dual_clip: float | None = None,
 ) -> torch.Tensor:
     """-agg(min(r A, clip(r) A)) - c agg(H) + beta agg(k(log pi - log pi_ref)), term by term: r per token (PPO,
     GRPO) or GSPO's s_i = exp(mean_t log r) for every token of sequence i; agg as verl's agg_loss (token-mean;
-    seq-mean-token-mean) and TRL's dr_grpo (sum over the batch's tokens / (sequences x max completion length))."""
+    seq-mean-token-mean) and TRL's dr_grpo (sum over the batch's tokens / (sequences x max completion length));
+    with ``dual_clip`` c, verl's vanilla loss: a term with A < 0 is max(term, c A)."""
     per_sequence_terms: list[list[torch.Tensor]] = []
     per_sequence_entropy: list[list[torch.Tensor]] = []
     per_sequence_kl: list[list[torch.Tensor]] = []
@@ -62,7 +64,10 @@ def reference_loss(
         else:
             ratios = [torch.exp(new[i, t] - old[i, t]) for t in kept]
         a = advantages[i]
-        per_sequence_terms.append([torch.minimum(r * a, r.clamp(LOW, HIGH) * a) for r in ratios])
+        terms = [torch.minimum(r * a, r.clamp(LOW, HIGH) * a) for r in ratios]
+        if dual_clip is not None and a < 0:
+            terms = [torch.maximum(term, dual_clip * a) for term in terms]
+        per_sequence_terms.append(terms)
         per_sequence_entropy.append([entropy[i, t] for t in kept])
         per_sequence_kl.append([schulman(new[i, t] - reference[i, t], estimator) for t in kept])
 
@@ -94,6 +99,7 @@ def schulman(x: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
     aggregation=st.sampled_from(list(LossAggregation)),
     coefficient=st.sampled_from([0.0, 0.05]),
     kl=st.sampled_from([(0.0, KlEstimator.K3), *((0.1, estimator) for estimator in KlEstimator)]),
+    dual_clip=st.sampled_from([None, 1.1]),  # just above 1: ratios of this batch's spread reach it
 )
 def test_the_loss_and_its_gradient_are_the_formulas(
     seed: int,
@@ -102,6 +108,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(
     aggregation: LossAggregation,
     coefficient: float,
     kl: tuple[float, KlEstimator],
+    dual_clip: float | None,
 ) -> None:
     new, old, advantages, mask, entropy = random_batch(seed, sequences)
     reference = (
@@ -115,6 +122,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(
         kl_estimator=kl[1],
         clip_epsilon_low=1 - LOW,
         clip_epsilon_high=HIGH - 1,
+        dual_clip_ratio=dual_clip,
         rollout_correction=RolloutCorrection(enabled=False),
     )
     ours_new, ours_entropy = new.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
@@ -123,7 +131,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(
     loss.backward()
     theirs_new, theirs_entropy = new.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     expected = reference_loss(
-        theirs_new, old, advantages, mask, theirs_entropy, algorithm, aggregation, coefficient, reference, kl
+        theirs_new, old, advantages, mask, theirs_entropy, algorithm, aggregation, coefficient, reference, kl, dual_clip
     )
     expected.backward()
     assert abs(loss.item() - expected.item()) < 1e-6
@@ -229,3 +237,25 @@ def test_a_group_whose_rewards_are_all_equal_gets_exactly_no_advantage() -> None
         found = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1]), estimator)
         assert found[:3].tolist() == [0.0, 0.0, 0.0], estimator
         assert found[3:].abs().min() > 0
+
+
+def test_dual_clip_bounds_a_negative_advantages_term_at_c_times_it_with_no_gradient() -> None:
+    """Issue 46 item 6: verl's dual-clip (clip_ratio_c, 3 in its vanilla loss): a ratio of 5 on a token with A = -1
+    gives the term 3 A, not 5 A; a positive advantage, or a ratio within c, is the single clip's."""
+    old = torch.zeros(3, 1, dtype=torch.float64)
+    new = torch.tensor([[math.log(5.0)], [math.log(5.0)], [math.log(2.0)]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(3, 1, dtype=torch.float64)
+    terms = {}
+    for c in (None, 3.0):
+        objective = Objective(
+            algorithm=Algorithm.PPO, dual_clip_ratio=c, rollout_correction=RolloutCorrection(enabled=False)
+        )
+        loss, statistics = policy_loss(Batch(new, old, old, advantages, mask), objective)
+        (gradient,) = torch.autograd.grad(loss, new)
+        terms[c] = (-3 * loss.item(), gradient[:, 0].tolist(), statistics.metrics().get("pg_clipfrac_lower"))
+    # single clip: -5 (A < 0, unclipped below), 1.28 (clipped above), -2
+    assert terms[None][0] == pytest.approx(-5 + 1.28 - 2) and terms[None][2] is None
+    assert terms[3.0][0] == pytest.approx(-3 + 1.28 - 2) and terms[3.0][2] == pytest.approx(1 / 3)
+    assert terms[3.0][1][0] == 0.0 and terms[None][1][0] != 0.0, "the bounded term has no gradient"
+    assert terms[3.0][1][1:] == terms[None][1][1:]
