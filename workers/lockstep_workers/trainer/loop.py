@@ -452,6 +452,12 @@ def _publish_and_announce(
             measured,
             budget,
         )
+    if metrics.get("skipped_optimizer_steps"):
+        logger.warning(
+            "step %d: %d of its optimiser steps skipped, their gradient norm not finite (skipped_optimizer_steps)",
+            step,
+            metrics["skipped_optimizer_steps"],
+        )
     logger.info(
         "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, on-policy |Δlogprob| %s, staleness %d, %.1fs; "
         "announced weights version "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -50,11 +51,14 @@ from lockstep_workers.tiny_model import create_tiny_llama
 from lockstep_workers.tiny_models import FAMILIES, create_tiny_model, family
 from lockstep_workers.trainer import learner
 from lockstep_workers.trainer.learner import Policy, learn, token_logprobs
+from lockstep_workers.trainer.loop import _publish_and_announce
 from lockstep_workers.trainer.objective import Statistics
 from lockstep_workers.trainer.optimization import NonFiniteGradients, SkippedSteps
+from lockstep_workers.trainer.pod import PodEnvironment
 from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.trainer.shaping import masked_if_cut
 from lockstep_workers.weights import lora
+from lockstep_workers.weights.files import StreamedPublish
 
 TEMPERATURE = 1.0
 
@@ -374,6 +378,31 @@ def test_zero_advantage_groups_are_those_without_advantage_under_each_estimator(
     assert found == {"grpo": 1.0, "reinforce_plus_plus": 0.0}
 
 
+def test_a_step_that_skipped_optimiser_steps_says_so_in_the_trainers_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = PodEnvironment(0, 1, [], tmp_path, None, None, None, 0)
+    metrics = {
+        "reward": 0.5,
+        "staleness": 0.0,
+        "clamp_log_ratio_new_old_indicator": 0.0,
+        "kl_new_old": 0.0,
+        "ess": 1.0,
+        "publish_gather_seconds": 0.0,
+        "publish_wait_seconds": 0.0,
+        "skipped_optimizer_steps": 2.0,
+    }
+    writing = StreamedPublish({"weight": torch.zeros(2)}, env.weights_dir, 3, keep=3)
+    writing.put({"weight": torch.zeros(2)})
+    writing.close()
+    with caplog.at_level(logging.WARNING, logger="lockstep.trainer"):
+        _publish_and_announce(
+            env, Training(reward="lockstep_workers.rewards:target_words"), 3, writing, metrics, 1.0, 1.0
+        )
+    assert "step 3: 2 of its optimiser steps skipped, their gradient norm not finite" in caplog.text
+    assert json.loads(env.metrics_file.read_text())["skipped_optimizer_steps"] == 2.0
+
+
 def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
     """Two copies of a batch whose environment tokens carry different rollout logprobs train alike; without the
     mask the difference would reach the loss (through the importance weights)."""
@@ -478,7 +507,6 @@ def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
 def test_the_trainer_refuses_to_run_without_its_weights_directory(tmp_path: Path) -> None:
     from lockstep_workers.rollout.client import ActorService, FixedActors
     from lockstep_workers.trainer.loop import train
-    from lockstep_workers.trainer.pod import PodEnvironment
 
     env = PodEnvironment(0, 1, ["http://actors:8000"], None, None, None, None, 0)
     actors = ActorService(FixedActors(env.actors))
