@@ -406,6 +406,26 @@ def test_a_step_that_skipped_optimiser_steps_says_so_in_the_trainers_log(
     assert json.loads(env.metrics_file.read_text())["skipped_optimizer_steps"] == 2.0
 
 
+def test_why_the_trainer_stops_is_its_termination_message_which_the_job_condition_quotes(tmp_path: Path) -> None:
+    """Issue 46 item 5: the condition quoted the log's last line, which a warning printed at exit could be."""
+    from lockstep.reconcile.restarts import termination_message
+    from lockstep_workers.trainer.loop import write_termination_message
+
+    mounted = tmp_path / "termination-log"
+    mounted.touch()
+    with pytest.raises(NonFiniteGradients) as stopped:
+        SkippedSteps(limit=1).allows(math.nan)
+    write_termination_message(stopped.value, mounted)
+    said = mounted.read_text()
+    assert said == f"lockstep_workers.trainer.optimization.NonFiniteGradients: {stopped.value}\n"
+    pod = {"status": {"containerStatuses": [{"state": {"terminated": {"exitCode": 1, "message": said}}}]}}
+    assert termination_message(pod) == said.strip(), "quoted whole"
+    write_termination_message(SystemExit("spec.trainer.dataset: no such file"), mounted)
+    assert mounted.read_text() == "spec.trainer.dataset: no such file\n"
+    write_termination_message(stopped.value, tmp_path / "absent")
+    assert not (tmp_path / "absent").exists(), "written only where the kubelet mounted the file"
+
+
 def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
     """Two copies of a batch whose environment tokens carry different rollout logprobs train alike; without the
     mask the difference would reach the loss (through the importance weights)."""
