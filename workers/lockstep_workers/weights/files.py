@@ -55,11 +55,14 @@ tensor's size."""
 
 def finite(tensor: torch.Tensor) -> bool:
     """Whether every value of ``tensor`` is finite (a tensor that is not floating point always is), a slice at a time.
-    fp8 slices are widened first: torch has no isfinite for float8_e4m3fn."""
+    A slice whose sum is finite holds no NaN or infinity (either would make the sum one): one fast reduction, over ten
+    times isfinite's speed on a CPU; only a slice whose sum is not finite (a NaN, or finite values that overflow it)
+    is checked value by value. fp8 slices are widened first: torch has neither sum nor isfinite for float8_e4m3fn."""
     if not tensor.is_floating_point():
         return True
     for part in tensor.detach().reshape(-1).split(FINITE_CHECK_ELEMENTS):
-        if not bool((part.float() if part.element_size() == 1 else part).isfinite().all()):
+        values = part.float() if part.element_size() == 1 else part
+        if not bool(values.sum().isfinite()) and not bool(values.isfinite().all()):
             return False
     return True
 

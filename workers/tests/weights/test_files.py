@@ -182,6 +182,12 @@ def test_a_publish_refuses_a_tensor_that_is_not_finite_naming_it_and_leaves_no_f
     assert weights.non_finite_tensors(version_path(tmp_path, 4)) == []
 
 
+def test_finite_values_whose_sum_overflows_are_finite() -> None:
+    assert weights.finite(torch.full((4,), 3e38)) and weights.finite(torch.full((4,), 3e38).to(torch.bfloat16))
+    assert not weights.finite(torch.tensor([3e38, 3e38, float("nan")]))
+    assert weights.finite(torch.arange(3)) and weights.finite(torch.empty(0))
+
+
 def test_the_tensors_of_a_file_that_are_not_finite_are_named(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
