@@ -20,15 +20,32 @@ from kubernetes import client
 from lockstep import keys
 from lockstep_e2e import build
 from lockstep_e2e.cluster import ClusterError, Component, LocalCluster, free_port, port_open
-from lockstep_e2e.install import apply, documents
+from lockstep_e2e.install import apply, documents, service_account_token
 from lockstep_e2e.pki import webhook_certificates
 
 NAMESPACE = "lws-system"
 """Where the controller looks for its Secret and its leader-election lease outside a pod (pkg/utils)."""
 SERVICE = "lws-webhook-service"
 SECRET = "lws-webhook-server-cert"
+ACCOUNT = "lws-controller-manager"
+"""The service account it runs as, as in a real install: the identity the chart's leaderWorkerSet.controllerUsername
+names (keys.LWS_CONTROLLER_USERNAME), which Lockstep's admission policies let make a group's StatefulSets."""
 CA_NAME = "lws-ca"
 """The name LeaderWorkerSet's certificate rotator checks its CA for (pkg/cert)."""
+
+
+def _identity() -> list[dict[str, Any]]:
+    """LeaderWorkerSet's service account, bound to cluster-admin (a stand-in for the module's own ClusterRole)."""
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": ACCOUNT, "namespace": NAMESPACE}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"e2e-{ACCOUNT}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": NAMESPACE}],
+        },
+    ]
 
 
 def _webhooks(module: Path, client_config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -55,7 +72,7 @@ def start_lws(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeo
     client_config = {"url": f"https://127.0.0.1:{webhook_port}", "caBundle": certificates.ca_bundle}
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
     crds = [crd for path in sorted((module / "config/crd/bases").glob("*.yaml")) for crd in documents(path)]
-    apply(api, [namespace, certificates.secret, *crds, *_webhooks(module, client_config)], timeout)
+    apply(api, [namespace, certificates.secret, *crds, *_webhooks(module, client_config), *_identity()], timeout)
     configuration = {
         "apiVersion": "config.lws.x-k8s.io/v1alpha1",
         "kind": "Configuration",
@@ -71,7 +88,7 @@ def start_lws(cluster: LocalCluster, api: client.ApiClient, workdir: Path, timeo
         "lws",
         [str(binary), f"--config={config_path}"],
         workdir / "lws.log",
-        env={"KUBECONFIG": str(cluster.kubeconfig)},
+        env={"KUBECONFIG": str(cluster.token_kubeconfig(ACCOUNT, service_account_token(api, NAMESPACE, ACCOUNT)))},
     )
     controller.start_until_answering(f"http://127.0.0.1:{health_port}/readyz", timeout)
     # Ready is said before the webhook server listens (2 s apart, seen here); until then every pod of a set is

@@ -405,7 +405,7 @@ def test_a_pod_that_squats_a_jobs_pod_name_is_named_in_the_jobs_condition_and_an
     assert ready["status"] == "False" and phase(get_job(kube, namespace, "squatted")) == "Pending"
     assert "pod squatted-trainer-0 exists and is not Lockstep's" in ready["message"]
     assert "owned by nobody, written by " in ready["message"], "its managedFields name what created it"
-    assert f"kubectl delete pod -n {namespace} squatted-trainer-0" in ready["message"]
+    assert f"kubectl delete -n {namespace} pod squatted-trainer-0" in ready["message"]
     assert condition(get_job(kube, namespace, "squatted"), "Stalled")["status"] == "True"
 
 
@@ -613,3 +613,95 @@ def invalid(call: Callable[[], object]) -> str:
         call()
     assert refused.value.status == 422, refused.value.body
     return str(json.loads(refused.value.body)["message"])
+
+
+def test_a_statefulset_that_squats_a_jobs_actor_is_refused_and_its_pod_is_never_a_member(
+    kube: client.ApiClient, namespace: str
+) -> None:
+    """Issue 46 item 1: a user with edit makes a StatefulSet <job>-actor (ordinals.start 1) whose pods carry the job's
+    labels and LeaderWorkerSet's, to have the StatefulSet controller create <job>-actor-1 for them. Admission refuses
+    the StatefulSet; and one that gets past it (made here by break glass, as a stand-in for any admission gap) makes a
+    pod that the operator names as a taken name, never counts, never commands and never deletes."""
+    from test_security import RBAC, impersonating, refused
+
+    from lockstep import admission
+
+    core, rbac = client.CoreV1Api(kube), client.RbacAuthorizationV1Api(kube)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "squatter"}})
+    edit = {"apiGroup": RBAC, "kind": "ClusterRole", "name": "edit"}
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "squatter-edit"},
+            "roleRef": edit,
+            "subjects": [
+                {"kind": "ServiceAccount", "name": "squatter", "namespace": namespace},
+                {"apiGroup": RBAC, "kind": "Group", "name": keys.BREAK_GLASS_GROUP},
+            ],
+        },
+    )
+    token = service_account_token(kube, namespace, "squatter", seconds=600)
+    squatter = client.AppsV1Api(token_client(kube, token))
+    labels = {
+        keys.MANAGED_BY: keys.MANAGER,
+        keys.JOB: "taken",
+        keys.ROLE: keys.ACTOR,
+        keys.GROUP_SET_NAME: "taken-actor",
+        "app.kubernetes.io/instance": "taken",
+        "leaderworkerset.sigs.k8s.io/worker-index": "0",  # a leader, to LeaderWorkerSet's pod webhook
+    }
+
+    def stateful_set(name: str, pod_labels: dict[str, str]) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": 1,
+                "ordinals": {"start": 1},
+                "serviceName": name,
+                "selector": {"matchLabels": pod_labels},
+                "template": {
+                    "metadata": {"labels": pod_labels, "annotations": {"leaderworkerset.sigs.k8s.io/size": "1"}},
+                    "spec": {"containers": [{"name": "main", "image": "busybox"}]},
+                },
+            },
+        }
+
+    plain = stateful_set("plain", {"app": "plain"})
+    plain["spec"]["replicas"] = 0
+    wait_for(
+        lambda: _once_rbac_allows(lambda: squatter.create_namespaced_stateful_set(namespace, plain)),
+        "the edit role to let the squatter create a StatefulSet",
+    )
+    message = refused(
+        lambda: squatter.create_namespaced_stateful_set(namespace, stateful_set("taken-actor", labels)),
+        admission.GROUP_SETS_POLICY,
+    )
+    assert message.startswith(
+        f"the pod template of statefulsets {namespace}/taken-actor carries the label {keys.MANAGED_BY}={keys.MANAGER}"
+    ), message
+    assert message.endswith(f"not system:serviceaccount:{namespace}:squatter"), message
+
+    glass = client.AppsV1Api(impersonating(kube, "e2e-repair", keys.BREAK_GLASS_GROUP))
+    made = glass.create_namespaced_stateful_set(namespace, stateful_set("taken-actor", labels))
+    wait_for(lambda: _exists(core, namespace, "taken-actor-1"), "the StatefulSet controller to create taken-actor-1")
+    before = core.read_namespaced_pod("taken-actor-1", namespace)
+    create_job(kube, namespace, rljob("taken", actors=2))
+    ready = name_taken(kube, namespace, "taken")
+    assert (
+        f"pod taken-actor-1 wears this RLJob's labels but is not its own: owned by StatefulSet taken-actor (uid "
+        f"{made.metadata.uid}), owned by nobody" in ready["message"]
+    ), ready["message"]
+    after = core.read_namespaced_pod("taken-actor-1", namespace)
+    assert after.metadata.uid == before.metadata.uid and after.metadata.deletion_timestamp is None, "never deleted"
+    assert keys.BARRIER not in (after.metadata.annotations or {}), "never commanded"
+    assert "taken-actor-1" not in (get_job(kube, namespace, "taken")["status"].get("barrier") or {}).get("members", {})
+
+
+def _exists(core: client.CoreV1Api, namespace: str, pod: str) -> bool:
+    try:
+        core.read_namespaced_pod(pod, namespace)
+    except ApiException as error:
+        if error.status != 404:
+            raise
+        return False
+    return True

@@ -301,6 +301,32 @@ def test_only_the_controllers_of_a_leader_worker_set_handle_the_lockstep_pods_of
         f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/sets-trainer-0) marks a pod as managed by "
         f"Lockstep: only {MANAGED_BY_SETTERS}, not {keys.STATEFULSET_CONTROLLER_USERNAME}"
     )
+    assert refused(lambda: statefulsets.create_namespaced_pod(namespace, leader)).startswith(
+        f"the label {keys.MANAGED_BY}={keys.MANAGER} (on pod {namespace}/sets-actor-0)"
+    ), "issue 46: the StatefulSet controller creates only the pods of a StatefulSet that controls them"
+    # Its StatefulSet (replicas 0, a selector of its own: the controller leaves the pod be, or only releases it).
+    owner = {"app": "sets-owner"}
+    stateful_set = client.AppsV1Api(kube).create_namespaced_stateful_set(
+        namespace,
+        {
+            "metadata": {"name": "sets-actor"},
+            "spec": {
+                "replicas": 0,
+                "serviceName": "sets-actor",
+                "selector": {"matchLabels": owner},
+                "template": {"metadata": {"labels": owner}, "spec": bare_pod("x")["spec"]},
+            },
+        },
+    )
+    leader["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "name": "sets-actor",
+            "uid": stateful_set.metadata.uid,
+            "controller": True,
+        }
+    ]
     statefulsets.create_namespaced_pod(namespace, leader)
     unlabel = {"metadata": {"labels": {keys.MANAGED_BY: None}}}
     assert refused(lambda: statefulsets.patch_namespaced_pod("sets-actor-0", namespace, unlabel)).startswith(

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep import api, environment, keys
+from lockstep import api, desired, environment, keys
 from lockstep.api.shared import cel_literal, cel_starts_with_any, cel_strings
 from lockstep.parity import lora_refusal, routing_replay_refusal
 from lockstep.schema import structural_schema
@@ -366,6 +366,13 @@ def _cel_list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{item}'" for item in items) + "]"
 
 
+_CONTROLLED_BY_STATEFUL_SET = (
+    "has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, "
+    "has(r.controller) && r.controller == true && r.kind == 'StatefulSet' && r.apiVersion == 'apps/v1')"
+)
+"""CEL: the pod a request creates is controlled by a StatefulSet (what the StatefulSet controller creates)."""
+
+
 POD_SUBRESOURCES = ("status",)
 """The pod subresources whose writes keep metadata changes (the status strategy resets only the spec and owner
 references): the barrier policy covers them as it covers the pod itself. ``binding`` copies its own annotations and
@@ -384,7 +391,9 @@ def barrier_policy(
     - a token bound to a pod (other than the operator's) may only UPDATE its own pod, and change nothing but its
       ``POD_KEYS`` on it: no spec, no status, no labels, no other annotations, owner references or finalizers;
     - the managed-by label (what makes a pod Lockstep's, so also creating such a pod): only the operator, and, on
-      a LeaderWorkerSet's pods (an actor group's), the StatefulSet controller that creates them;
+      a LeaderWorkerSet's pods (an actor group's), the StatefulSet controller that creates them, for a StatefulSet
+      that controls the pod; which StatefulSets may carry the label in their template, ``group_sets_policy`` says
+      (LeaderWorkerSet's controller's alone), so the StatefulSet controller alone mints no Lockstep pod;
     - LeaderWorkerSet's controller (``lws_controller_username``), which runs in a pod, is not held to the pod-token
       rules on a LeaderWorkerSet's pods: it deletes a group's leader to recreate the group;
     - members of ``keys.BREAK_GLASS_GROUP`` may do all of it. Anything else is left to RBAC.
@@ -401,8 +410,9 @@ def barrier_policy(
         ("isBreakGlass", _IS_BREAK_GLASS),
         (
             "isGroupController",
-            f"({in_a_set}) && request.userInfo.username in "
-            f"{_cel_list((keys.STATEFULSET_CONTROLLER_USERNAME, lws_controller_username))}",
+            f"({in_a_set}) && ((request.userInfo.username == '{keys.STATEFULSET_CONTROLLER_USERNAME}' && "
+            f"(request.operation != 'CREATE' || {_CONTROLLED_BY_STATEFUL_SET})) || "
+            f"(request.userInfo.username == '{lws_controller_username}' && request.operation != 'CREATE'))",
         ),
         ("podName", _extra(keys.POD_NAME_EXTRA)),
         ("podUid", _extra(keys.POD_UID_EXTRA)),
@@ -557,13 +567,104 @@ def _deny_binding(policy: str) -> dict[str, Any]:
     }
 
 
+GROUP_SETS_POLICY = "lockstep-group-sets"
+
+
+def _template_managed(side: str, templates: tuple[str, ...]) -> str:
+    """CEL: a pod template of ``side`` (``object`` or ``oldObject``, either may be null; ``templates``: their paths
+    under spec) carries Lockstep's managed-by label."""
+    label = f"'{keys.MANAGED_BY}'"
+    checks = []
+    for template in templates:
+        steps = ["spec", *template.split("."), "metadata", "labels"]
+        present = [f"has({side}.{'.'.join(steps[: i + 1])})" for i in range(len(steps))]
+        labels = f"{side}.{'.'.join(steps)}"
+        checks.append(f"({' && '.join(present)} && {label} in {labels} && {labels}[{label}] == '{keys.MANAGER}')")
+    return f"({side} != null && ({' || '.join(checks)}))"
+
+
+def group_sets_policy(
+    operator_username: str = keys.OPERATOR_USERNAME, lws_controller_username: str = keys.LWS_CONTROLLER_USERNAME
+) -> dict[str, Any]:
+    """Who may write the objects that mint Lockstep's pods without the operator (issue 46): a StatefulSet whose pod
+    template carries Lockstep's managed-by label only LeaderWorkerSet's controller (which makes the groups' sets
+    from the job's LeaderWorkerSet), and a LeaderWorkerSet whose templates carry it only the operator; members of
+    ``keys.BREAK_GLASS_GROUP`` and the garbage collector (which removes owner references) as well. An update that
+    leaves a LeaderWorkerSet's spec as it was (its status, labels) is anyone's that RBAC lets.
+
+    The pod policy lets the StatefulSet controller create a Lockstep pod for a StatefulSet that controls it; so a
+    namespace user with ``edit`` cannot make one through a StatefulSet or a LeaderWorkerSet of their own."""
+    trusted = f"({_IS_BREAK_GLASS}) || request.userInfo.username == '{keys.GARBAGE_COLLECTOR_USERNAME}'"
+
+    def rule(group: str, resource: str) -> dict[str, Any]:
+        return {
+            "apiGroups": [group],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": [resource],
+        }
+
+    sts_templates, set_templates = (
+        ("template",),
+        ("leaderWorkerTemplate.leaderTemplate", "leaderWorkerTemplate.workerTemplate"),
+    )
+    stateful_set = "request.resource.resource == 'statefulsets'"
+    caller = "request.userInfo.username"
+    what = "request.resource.resource + ' ' + request.namespace + '/' + object.metadata.name"
+    return {
+        "apiVersion": ADMISSION_API_VERSION,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": GROUP_SETS_POLICY},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    rule("apps", "statefulsets"),
+                    rule(desired.LEADER_WORKER_SET_GROUP, desired.LEADER_WORKER_SETS),
+                ]
+            },
+            "matchConditions": [
+                {
+                    "name": "mints-lockstep-pods",
+                    "expression": f"({stateful_set} && ({_template_managed('object', sts_templates)} || "
+                    f"{_template_managed('oldObject', sts_templates)})) || (!({stateful_set}) && "
+                    f"({_template_managed('object', set_templates)} || "
+                    f"{_template_managed('oldObject', set_templates)}))",
+                }
+            ],
+            "validations": [
+                {
+                    "expression": f"!({stateful_set}) || {caller} == '{lws_controller_username}' || {trusted}",
+                    "messageExpression": f"'the pod template of ' + {what} + ' carries the label {keys.MANAGED_BY}="
+                    f"{keys.MANAGER}: its pods would pass for pods of a Lockstep job. Only the LeaderWorkerSet "
+                    f"controller "
+                    f"({lws_controller_username}) makes such StatefulSets, for the LeaderWorkerSets of Lockstep jobs, "
+                    f"or a member of group {keys.BREAK_GLASS_GROUP}; not ' + {caller}",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": f"{stateful_set} || {caller} == '{operator_username}' || {trusted} || "
+                    "(request.operation == 'UPDATE' && object.spec == oldObject.spec)",
+                    "messageExpression": f"'the pod templates of ' + {what} + ' carry the label {keys.MANAGED_BY}="
+                    f"{keys.MANAGER}: its pods would pass for pods of a Lockstep job. Only the Lockstep operator "
+                    f"({operator_username}) makes and changes the LeaderWorkerSets of Lockstep jobs, or a member of "
+                    f"group {keys.BREAK_GLASS_GROUP}; not ' + {caller}",
+                    "reason": "Forbidden",
+                },
+            ],
+        },
+    }
+
+
 def barrier_manifests(
     operator_username: str = keys.OPERATOR_USERNAME, lws_controller_username: str = keys.LWS_CONTROLLER_USERNAME
 ) -> list[dict[str, Any]]:
-    """The barrier policy, the pods/binding policy, and their bindings."""
+    """The barrier policy, the pods/binding policy, the group sets' policy, and their bindings."""
     return [
         barrier_policy(operator_username, lws_controller_username),
         _deny_binding(BARRIER_POLICY),
         binding_policy(operator_username),
         _deny_binding(BINDING_POLICY),
+        group_sets_policy(operator_username, lws_controller_username),
+        _deny_binding(GROUP_SETS_POLICY),
     ]

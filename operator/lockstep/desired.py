@@ -428,8 +428,9 @@ def trainer_pod(
         "args": [f"--model={spec.model.uri}"],
         "ports": ports,
         "env": env,
-        # A trainer that stops on the job's own settings (a dataset it cannot read) says why in its last log line;
-        # the kubelet keeps it as the container's termination message, which the operator quotes in the status.
+        # A trainer that stops (a dataset it cannot read, gradients that stay non-finite) writes why to its
+        # termination message, or else says it in its last log line, which the kubelet keeps as the message; the
+        # operator quotes it in the status.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     hostname = pod_name(job.name, keys.TRAINER, rank)

@@ -10,6 +10,7 @@ ROLE = f"{DOMAIN}/role"
 INDEX = f"{DOMAIN}/index"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "lockstep-operator"
+FIELD_MANAGER = "lockstep-operator"  # the operator's server-side apply (and every write it makes)
 
 # Annotations on pods.
 CONFIG_FINGERPRINT = f"{DOMAIN}/config-fingerprint"
@@ -45,6 +46,7 @@ POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 GROUP_SET_NAME = "leaderworkerset.sigs.k8s.io/name"
 STATEFULSET_CONTROLLER_USERNAME = "system:serviceaccount:kube-system:statefulset-controller"
 LWS_CONTROLLER_USERNAME = "system:serviceaccount:lws-system:lws-controller-manager"
+GARBAGE_COLLECTOR_USERNAME = "system:serviceaccount:kube-system:generic-garbage-collector"
 # Members of this group may write every Lockstep annotation and label on Lockstep's pods, to repair one by hand
 # (crds/admission-barrier.yaml; docs/barrier-protocol.md).
 BREAK_GLASS_GROUP = "lockstep:break-glass"

@@ -21,7 +21,7 @@ from lockstep import api, desired, keys, kueue, responses
 RLJOBS = (api.GROUP, api.VERSION, api.RLJOBS)
 POLICIES = (api.GROUP, api.VERSION, api.PARITY_POLICIES)
 WORKLOADS = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
-FIELD_MANAGER = "lockstep-operator"
+FIELD_MANAGER = keys.FIELD_MANAGER
 WRITE_ATTEMPTS = 4
 """Tries of one pod write that the API server answered 429 or 5xx, with a backoff of 0.1 s, 0.2 s, 0.4 s."""
 MERGE_PATCH = "application/merge-patch+json"
@@ -35,6 +35,7 @@ class KubeClient:
         self.custom = client.CustomObjectsApi(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
         self.networking = client.NetworkingV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
 
     # -- reads (lockstep.world.WorldClient) ------------------------------------------------
 
@@ -93,6 +94,21 @@ class KubeClient:
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return _absent_as_none(lambda: self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+
+    def read_stateful_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _absent_as_none(lambda: self.apps.read_namespaced_stateful_set(name, namespace, _preload_content=False))
+
+    def read_group_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """None also when the operator may not read LeaderWorkerSets (the chart's leaderWorkerSet.enabled is off):
+        then none is the job's, and applying one is refused in the job's status."""
+        try:
+            return _absent_as_none(
+                lambda: self.custom.get_namespaced_custom_object(*_group_set(namespace, name), _preload_content=False)
+            )
+        except ApiException as error:
+            if error.status == 403:
+                return None
+            raise
 
     # -- writes (lockstep.applier.ApplierClient) -------------------------------------------
 

@@ -34,6 +34,9 @@ Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 the status could not hold (a JSON patch with NaN is invalid)."""
 Fraction = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
 """A finite number from 0 to 1."""
+Magnitude = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
+"""A finite number from 0 up: a mean of absolute values, which a budget holds from above (a negative one would
+read as within any budget)."""
 
 PROTOCOL = 2
 """Version of the barrier protocol; every annotation document carries it. 2: a barrier opens in Update (pause,
@@ -123,7 +126,7 @@ class Mismatch(Model):
 
     protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
     step: Count = Field(description="the trainer step measured")
-    mean_abs_logprob_diff: Number = Field(
+    mean_abs_logprob_diff: Magnitude = Field(
         description="mean |logprob_trainer - logprob_rollout| on sequences sampled wholly under the trainer's weights"
     )
     token_fraction: Fraction = Field(description="the fraction of the step's tokens that measurement covers")
@@ -171,8 +174,8 @@ class PreflightResult(Model):
     """``lockstep.dev/preflight``: what the preflight pod measured under the job's effective configuration."""
 
     protocol: int = Field(PROTOCOL, description="the barrier protocol version the document speaks")
-    mean_abs_logprob_diff: Number = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
-    shared_prefix_mean_abs_logprob_diff: Number = Field(
+    mean_abs_logprob_diff: Magnitude = Field(description="mean |logprob_trainer - logprob_rollout|, plain sampling")
+    shared_prefix_mean_abs_logprob_diff: Magnitude = Field(
         description="the same, for requests that share a prompt with earlier ones, after an in-flight weight update"
     )
     clip_fraction: Number = Field(description="tokens whose ratio leaves [1 - 0.2, 1 + 0.2]")

@@ -17,13 +17,13 @@ import datetime as dt
 import itertools
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, Protocol
 
-from lockstep import keys, kueue
+from lockstep import desired, keys, kueue
 from lockstep.events import AckGate, AckVerdict, JobKey, PassScope, PodCache, pass_for, revision
-from lockstep.reconcile import KueueView, Observed
+from lockstep.reconcile import KueueView, Observed, ownership
 from lockstep.reconcile.context import annotation
 
 
@@ -48,6 +48,12 @@ class WorldClient(Protocol):
     def list_resource_flavors(self) -> list[dict[str, Any]]: ...
 
     def get_priority_class(self, name: str) -> dict[str, Any] | None: ...
+
+    def read_stateful_set(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def read_group_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The LeaderWorkerSet ``name``, with its managedFields."""
+        ...
 
 
 class Unobserved(Enum):
@@ -88,6 +94,8 @@ class World:
         self._rejected: dict[JobKey, tuple[int | None, dict[str, str]]] = {}
         """What the API server refused to create for a job, at the generation it was refused for."""
         self._taken: dict[JobKey, dict[str, dict[str, Any]]] = {}
+        self._owner_cache: dict[str, dict[str, Any]] = {}
+        """The owners of pods labelled as a job's (StatefulSets, LeaderWorkerSets), by UID (``_owners``)."""
         """Pods a job would create whose name a pod not labelled as the job's has: name → that pod's metadata."""
 
     # -- a pass's view ---------------------------------------------------------------------
@@ -117,9 +125,60 @@ class World:
         queue = self._kueue_view(job) if self.kueue else None  # a barrier pass may hand over to the whole pipeline
         with self._guard:
             taken = dict(self._taken.get(key, {}))
+        group_set = None
+        if (job.get("spec") or {}).get("actors", {}).get("group") is not None:
+            group_set = self._client.read_group_set(namespace, desired.actor_set_name(job["metadata"]["name"]))
         return Observed(
-            job, pods, policies, labels, now, self.backoff_base_seconds, rejected, queue, scope, taken, self.trainer_env
+            job,
+            pods,
+            policies,
+            labels,
+            now,
+            self.backoff_base_seconds,
+            rejected,
+            queue,
+            scope,
+            taken,
+            owners=self._owners(namespace, pods),
+            group_set=group_set,
+            trainer_env=self.trainer_env,
         )
+
+    def _owners(self, namespace: str, pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The StatefulSets that control ``pods``, and the LeaderWorkerSets that control those, by UID: read once
+        per UID (an object's UID is never reused; its controller reference, once set, is not moved by
+        LeaderWorkerSet or the StatefulSet controller, and admission keeps others from writing Lockstep's)."""
+        found: dict[str, dict[str, Any]] = {}
+        wanted = [ownership.controller_of(pod["metadata"]) for pod in pods]
+        for ref in [ref for ref in wanted if ref is not None and ref.get("kind") == ownership.STATEFUL_SET]:
+            stateful_set = self._owner(namespace, ref, self._client.read_stateful_set)
+            if stateful_set is None:
+                continue
+            found[str(ref["uid"])] = stateful_set
+            above = ownership.controller_of(stateful_set["metadata"])
+            if above is not None and above.get("kind") == desired.LEADER_WORKER_SET:
+                group_set = self._owner(namespace, above, self._client.read_group_set)
+                if group_set is not None:
+                    found[str(above["uid"])] = group_set
+        return found
+
+    def _owner(
+        self, namespace: str, ref: dict[str, Any], read: Callable[[str, str], dict[str, Any] | None]
+    ) -> dict[str, Any] | None:
+        """The owner ``ref`` names (kind and metadata, without managedFields), cached by UID; None when there is
+        none of that name and UID."""
+        uid = str(ref.get("uid"))
+        with self._guard:
+            if uid in self._owner_cache:
+                return self._owner_cache[uid]
+        read_back = read(namespace, str(ref.get("name")))
+        if read_back is None or read_back["metadata"].get("uid") != uid:
+            return None  # not cached: it may come later under this UID
+        read_back["metadata"].pop("managedFields", None)
+        kept = {"kind": read_back.get("kind", ref.get("kind")), "metadata": read_back["metadata"]}
+        with self._guard:
+            self._owner_cache[uid] = kept
+        return kept
 
     def _job(self, key: JobKey) -> dict[str, Any] | None:
         """The job as last seen (watched, or as the operator wrote it), or read; None when it is gone."""
@@ -316,6 +375,7 @@ class World:
         with self._guard:
             self._rejected.clear()
             self._taken.clear()
+            self._owner_cache.clear()
             self._policies, self._namespaces = None, {}
         for job in jobs:
             job["metadata"].pop("managedFields", None)

@@ -53,3 +53,51 @@ def running(pod: dict[str, Any], phase: str = "Running", ready: bool = True) -> 
         "metadata": {**pod["metadata"], "uid": f"uid-{pod['metadata']['name']}"},
         "status": {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
+
+
+def owner_reference(kind: str, name: str, uid: str, api_version: str, controller: bool = True) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": controller}
+
+
+def owned(obj: dict[str, Any], *references: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` with exactly these owner references."""
+    return {**obj, "metadata": {**obj["metadata"], "ownerReferences": list(references)}}
+
+
+def stateful_set(name: str, uid: str, *references: dict[str, Any]) -> dict[str, Any]:
+    """A StatefulSet as the pods' owner chain reads it (kind and metadata)."""
+    return {"kind": "StatefulSet", "metadata": {"name": name, "uid": uid, "ownerReferences": list(references)}}
+
+
+def group_set_owners(body: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The group pods ``pods`` (desired.group_pods, running) as LeaderWorkerSet v0.9 owns them, and their owners by
+    UID: each leader by the StatefulSet <job>-actor that the job's LeaderWorkerSet controls (its controller the
+    RLJob), each worker by the StatefulSet named after its leader, which that leader pod controls."""
+    name, uid = body["metadata"]["name"], body["metadata"]["uid"]
+    lws = {
+        "kind": "LeaderWorkerSet",
+        "metadata": {
+            "name": f"{name}-actor",
+            "uid": "uid-lws",
+            "ownerReferences": [owner_reference("RLJob", name, uid, "lockstep.dev/v1alpha1")],
+        },
+    }
+    leaders = stateful_set(
+        f"{name}-actor",
+        "uid-sts",
+        owner_reference("LeaderWorkerSet", f"{name}-actor", "uid-lws", "leaderworkerset.x-k8s.io/v1"),
+    )
+    owners = {"uid-lws": lws, "uid-sts": leaders}
+    by_name = {pod["metadata"]["name"]: pod for pod in pods}
+    result = []
+    for pod in pods:
+        pod_name = pod["metadata"]["name"]
+        if pod["metadata"]["labels"]["lockstep.dev/role"] != "actor-worker":
+            result.append(owned(pod, owner_reference("StatefulSet", f"{name}-actor", "uid-sts", "apps/v1")))
+            continue
+        leader = pod_name.rsplit("-", 1)[0]
+        workers_uid = f"uid-sts-{leader}"
+        leader_uid = by_name[leader]["metadata"]["uid"]
+        owners[workers_uid] = stateful_set(leader, workers_uid, owner_reference("Pod", leader, leader_uid, "v1"))
+        result.append(owned(pod, owner_reference("StatefulSet", leader, workers_uid, "apps/v1")))
+    return result, owners

@@ -33,6 +33,8 @@ class FakeWorldClient:
         self.workloads: list[dict[str, Any]] = []
         self.flavors: list[dict[str, Any]] = []
         self.priority_classes: dict[str, dict[str, Any]] = {}
+        self.owners: dict[tuple[str, str, str], dict[str, Any]] = {}
+        """StatefulSets and LeaderWorkerSets by (kind, namespace, name)."""
         self.calls: list[str] = []
 
     def list_jobs(self) -> list[dict[str, Any]]:
@@ -67,6 +69,14 @@ class FakeWorldClient:
     def get_priority_class(self, name: str) -> dict[str, Any] | None:
         self.calls.append("get_priority_class")
         return copy.deepcopy(self.priority_classes.get(name))
+
+    def read_stateful_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append("read_stateful_set")
+        return copy.deepcopy(self.owners.get(("StatefulSet", namespace, name)))
+
+    def read_group_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append("read_group_set")
+        return copy.deepcopy(self.owners.get(("LeaderWorkerSet", namespace, name)))
 
 
 class FakeApplierClient:

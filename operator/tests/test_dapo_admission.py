@@ -85,3 +85,18 @@ def test_two_reward_functions_of_one_name_are_refused() -> None:
     spec["trainer"]["rewards"] = [CORRECT, {**FORMAT, "name": "correct"}]
     [error] = schema_errors(spec)
     assert error.startswith("spec.trainer.rewards: Invalid value: ") and "a name of its own" in error
+
+
+@pytest.mark.parametrize("weight", [1000.5, -1e300])
+def test_a_reward_weight_beyond_its_bound_is_refused(weight: float) -> None:
+    """Issue 46 item 5: an unbounded weight made a weighted sum that overflows to inf."""
+    spec = job()["spec"]
+    del spec["trainer"]["reward"]
+    spec["trainer"]["rewards"] = [CORRECT, {**FORMAT, "weight": weight}]
+    [error] = schema_errors(spec)
+    assert error.startswith("spec.trainer.rewards[1].weight: Invalid value: ")
+    assert error.endswith(
+        "should be less than or equal to 1000" if weight > 0 else "should be greater than or equal to -1000"
+    )
+    spec["trainer"]["rewards"] = [CORRECT, {**FORMAT, "weight": -1000.0}]
+    assert schema_errors(spec) == []

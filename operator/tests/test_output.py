@@ -70,8 +70,12 @@ def test_the_trainer_pod_reads_spec_output_and_a_change_of_it_replaces_the_train
     assert hashes[0] != hashes[1]
 
 
+def with_output() -> dict[str, Any]:
+    return job(**{k: v for k, v in output_spec("/models/out", [MODELS]).items() if k in ("output", "trainer")})
+
+
 def test_the_written_model_reaches_status_output_in_the_pass_where_the_job_succeeds() -> None:
-    body, pods = settle(job(output=OUTPUT))
+    body, pods = settle(with_output())
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
     pods[2] = running(pods[2], phase="Succeeded", ready=False)
     done = plan_for(body, pods)
@@ -86,7 +90,7 @@ def test_the_written_model_reaches_status_output_in_the_pass_where_the_job_succe
 
 
 def test_a_refused_output_report_names_the_annotation_and_keeps_the_last_valid_one() -> None:
-    body, pods = settle(job(output=OUTPUT))
+    body, pods = settle(with_output())
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps(WRITTEN)
     first = plan_for(body, pods)
     pods[2]["metadata"]["annotations"][keys.OUTPUT] = json.dumps({**WRITTEN, "version": -1})

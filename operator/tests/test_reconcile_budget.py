@@ -246,3 +246,15 @@ def test_only_the_metrics_a_budget_may_name_reach_the_status() -> None:
     pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps({**GOOD, "metrics": metrics})
     status = plan_for(body, pods).status
     assert status.mismatch is not None and status.mismatch.metrics == {"ess": 0.9, "k3_kl": 0.01}
+
+
+def test_a_negative_mean_absolute_difference_is_refused_not_read_as_within_budget() -> None:
+    """Issue 46's risk: meanAbsLogprobDiff -5 read 'WithinBudget'; a mean of absolute values is never negative."""
+    strict = policy(trainer={"mismatchBudget": {"meanAbsLogprobDiff": 0.01, "onExceeded": "Pause"}})
+    body, pods = settle(job())
+    measured = {"protocol": PROTOCOL, "step": 4, "meanAbsLogprobDiff": -5, "tokenFraction": 0.75}
+    pods[2]["metadata"]["annotations"][keys.MISMATCH] = json.dumps(measured)
+    plan = plan_for(body, pods, policies=[strict])
+    assert condition(plan, "TrainerReportsValid") == ("False", "InvalidTrainerReport")
+    assert "meanAbsLogprobDiff" in find(plan.status.conditions, "TrainerReportsValid").message  # type: ignore[union-attr]
+    assert find(plan.status.conditions, "ParityDegraded") is None, "no verdict on a refused report"

@@ -139,7 +139,7 @@ def test_a_pod_name_held_by_a_pod_not_of_the_job_is_named_with_its_owner_and_wha
     message = find(plan.status.conditions, READY).message  # type: ignore[union-attr]
     assert "pod demo-trainer-0 exists and is not Lockstep's" in message
     assert "owned by nobody, written by kubectl-create" in message
-    assert "kubectl delete pod -n team-a demo-trainer-0" in message and "under another name" in message
+    assert "kubectl delete -n team-a pod demo-trainer-0" in message and "under another name" in message
     assert [e.type for e in plan.events if e.reason == "PodNameTaken"] == ["Warning"]
 
     relabelled = {"name": "demo-actor-1", "labels": {}, "ownerReferences": [{"kind": "RLJob", "uid": "uid-1"}]}

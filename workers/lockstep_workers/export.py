@@ -8,7 +8,9 @@ with the chat template, and safetensors shards in spec.output.dtype (tied embedd
 checkpoints store them). A LoRA version becomes PEFT's adapter directory (adapter_config.json, from the version's
 header, and adapter_model.safetensors) with the tokenizer files, and, asked for, the merged model in merged/. Each
 directory is written under a hidden temporary name beside its final one, flushed, then renamed: a half-written
-directory is never under the final name.
+directory is never under the final name. Every file gets the mode a new file gets in this process (0644 under the
+usual umask): transformers writes its safetensors shards 0600, which a serving pod running as another user of the
+same volume could not read.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def write(version_file: Path, base_model: str, destination: Path, dtype: DType, 
             _write_full(dict(tensors(version_file)), base_model, partial, dtype)
         else:
             _write_adapter(version_file, adapter, base_model, partial, dtype, merged)
+        _readable(partial, 0o666 & ~_umask())
         _fsync_tree(partial)
         os.rename(partial, destination)
     except BaseException:
@@ -174,6 +177,23 @@ def _save_tokenizer(base_model: str, directory: Path) -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(base_model).save_pretrained(directory)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread); 0o022 where /proc does not
+    say."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def _readable(directory: Path, mode: int) -> None:
+    """Give every file under ``directory`` the one ``mode``."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -7,6 +7,7 @@ version keeps the directory there."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,18 @@ def test_bfloat16_is_the_default_and_close_to_the_trainers_logprobs(tied: Path, 
     assert exported.dtype == torch.bfloat16
     assert json.loads((destination / "config.json").read_text())["dtype"] == "bfloat16"
     assert (logprobs(exported) - logprobs(model)).abs().max() < 0.1
+
+
+def test_every_written_file_has_the_mode_a_new_file_gets(tied: Path, tmp_path: Path) -> None:
+    """Issue 46 item 7: model.safetensors was 0600 (transformers' shard writer) and the others 0644, so a serving pod
+    running as another user of the volume could not read the weights."""
+    publish(trained(tied).state_dict(), tmp_path / "weights", version=1)
+    export.write(version_path(tmp_path / "weights", 1), str(tied), tmp_path / "out", DType.FLOAT32)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~export._umask())}, modes
+    current = os.umask(0o022)
+    os.umask(current)
+    assert export._umask() == current, "the process's umask, read without changing it"
 
 
 def test_a_failed_write_leaves_nothing_and_an_existing_directory_is_never_overwritten(

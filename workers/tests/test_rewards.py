@@ -143,6 +143,39 @@ def test_a_non_finite_reward_is_a_reward_error_under_on_reward_error(caplog: pyt
         scorer.close()
 
 
+def huge(completion: str, prompt: str, row: dict[str, Any]) -> float:
+    return 1e306 if row["n"] else 1.0
+
+
+@pytest.mark.parametrize("action", list(RewardErrorAction))
+def test_a_weighted_sum_that_overflows_is_a_reward_error_naming_the_function(
+    action: RewardErrorAction, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46 item 5: each reward finite, their weighted sum inf: it reached the loss, caught there only as a
+    non-finite loss. Now it is scored as onRewardError says, naming the function whose weighted reward is largest."""
+    functions = [
+        WeightedReward(name="correct", function="lockstep_workers.rewards:math_exact_match"),
+        WeightedReward(name="huge", function=f"{__name__}:huge", weight=1000.0),
+    ]
+    samples = [RewardInput([1], [2], "p", "#### 3", {"answer": 3, "n": n}) for n in range(2)]
+    scorer = Scorer(functions, action, processes=1)
+    try:
+        if action is RewardErrorAction.FAIL:
+            with pytest.raises(RewardFailed, match=rf"{__name__}:huge raised on row .*'n': 1.*weighted sum of the "):
+                scorer.scores(samples)
+            return
+        with caplog.at_level(logging.WARNING, logger="lockstep.trainer"):
+            scores = scorer.scores(samples)
+    finally:
+        scorer.close()
+    assert (scores.rewards, scores.errors) == ([1001.0, 0.0], 1)
+    assert scores.parts == {"correct": [1.0, 1.0], "huge": [1.0, 1e306]}, "each function's own reward, kept"
+    said = caplog.records[0].getMessage()
+    assert (
+        f"{__name__}:huge" in said and "the weighted sum of the rewards is inf: this function returned 1e+306" in said
+    )
+
+
 def test_several_reward_functions_score_their_weighted_sum_and_each_its_own_part() -> None:
     functions = [
         WeightedReward(name="correct", function="lockstep_workers.rewards:math_exact_match"),

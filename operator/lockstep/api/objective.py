@@ -132,7 +132,9 @@ class OptimizerSettings(Model):
     )
     eps: Annotated[float, Field(gt=0, le=1)] = Field(1e-8, description="AdamW's epsilon, added to the denominator.")
     weight_decay: Annotated[float, Field(ge=0, le=1)] = Field(
-        0.0, description="AdamW's decoupled weight decay (0: Adam's update)."
+        0.0,
+        description="AdamW's decoupled weight decay (0: Adam's update), on every parameter that trains, biases and "
+        "norm weights too, as verl's (Hugging Face's Trainer and TRL exempt those).",
     )
     max_grad_norm: Annotated[float, Field(ge=0)] = Field(
         1.0,
@@ -147,7 +149,8 @@ class OptimizerSettings(Model):
     warmup_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
         0.0,
         description="The warm-up as a fraction of spec.trainer.steps instead: ceil(warmupRatio x steps) steps, as "
-        "Hugging Face's warmup_ratio counts them (verl's lr_warmup_steps_ratio). Not with warmupSteps.",
+        "Hugging Face's warmup_ratio counts them (verl's lr_warmup_steps_ratio rounds down: one step fewer when the "
+        "product is not whole). Not with warmupSteps.",
     )
     schedule: LearningRateSchedule = Field(
         LearningRateSchedule.CONSTANT,
@@ -222,6 +225,13 @@ class Objective(Model):
     )
     clip_epsilon_high: Annotated[float, Field(gt=0)] = Field(
         0.28, description="Upper clip range: the ratio is clipped above at 1 + clipEpsilonHigh."
+    )
+    dual_clip_ratio: Annotated[float, Field(gt=1, le=100)] | None = Field(
+        None,
+        description="Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, 3 by default in verl's vanilla loss): a "
+        "term with a negative advantage A is bounded below at dualClipRatio x A, so that a ratio far above 1 on a "
+        "token to discourage cannot give it an unbounded loss (metric pg_clipfrac_lower, the fraction of terms it "
+        "bounds). For every algorithm (gspo: on its sequence ratio). Unset: off, the loss of the single clip.",
     )
     rollout_correction: RolloutCorrection = Field(
         default_factory=RolloutCorrection,

@@ -130,11 +130,12 @@ class RolloutSettings(Model):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling: a prompt group whose rewards are all equal (no advantage, so no "
-        "gradient) is dropped, and another prompt of the step's is sampled in its place, until the step has "
-        "promptsPerStep groups with signal or has sampled maxExtraGroups more (step metrics dropped_groups, "
-        "extra_groups and unfilled_groups). Each step then draws promptsPerStep + maxExtraGroups prompts from the "
-        "dataset (or the prompt source) and samples the extra ones only as needed; those it does not need are not "
-        "sampled in that pass.",
+        "gradient, under the grpo, dr_grpo and rloo estimators; under reinforce_plus_plus, which has no group "
+        "baseline, it has one, and is dropped all the same) is dropped, and another prompt of the step's is "
+        "sampled in its place, until the step has promptsPerStep groups with signal or has sampled "
+        "maxExtraGroups more (step metrics dropped_groups, extra_groups and unfilled_groups). Each step then "
+        "draws promptsPerStep + maxExtraGroups prompts from the dataset (or the prompt source) and samples the "
+        "extra ones only as needed; those it does not need are not sampled in that pass.",
     )
     max_extra_groups: Annotated[int, Field(ge=1, le=65536)] | None = Field(
         None,
@@ -220,6 +221,10 @@ MAX_REWARDS = 16
 """The most reward functions spec.trainer.rewards may list: bounded, as the lists CEL rules read must be."""
 
 
+MAX_REWARD_WEIGHT = 1000.0
+"""The largest size of a reward function's weight in spec.trainer.rewards."""
+
+
 class WeightedReward(Model):
     """One of several reward functions: a completion's reward is the sum of each function's times its weight."""
 
@@ -231,7 +236,12 @@ class WeightedReward(Model):
         pattern=CALLABLE_PATTERN,
         description="The reward function, package.module:function, called as spec.trainer.reward is.",
     )
-    weight: float = Field(1.0, description="What the function's reward is multiplied by in the sum.")
+    weight: Annotated[float, Field(ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT)] = Field(
+        1.0,
+        description=f"What the function's reward is multiplied by in the sum, at most {MAX_REWARD_WEIGHT:g} in size: "
+        "a larger weight is a typo or a reward in the wrong units (scale the function's own output instead); a "
+        "weighted sum that overflows is a reward error (spec.trainer.onRewardError) naming the function.",
+    )
 
 
 UNIQUE_REWARD_NAMES_RULE = cel(

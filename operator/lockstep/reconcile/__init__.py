@@ -61,7 +61,7 @@ def _steps(run: Pass) -> None:
     if run.observed.rejected:
         pods.report_rejected(run, spec, config)
         return
-    if run.observed.taken:
+    if run.observed.taken or run.squatters or pods.foreign_group_set(run, spec) is not None:
         pods.report_taken(run, spec, config)
         return
     placements = queue.admit(run, spec, wanted.running)

@@ -65,7 +65,7 @@ def tidy_finished(run: Pass, spec: RLJobSpec) -> None:
 def _finish_workloads(run: Pass) -> None:
     """Tell Kueue the job ended, so that its quota goes to the next job, once none of its pods runs (those being
     deleted included: an actor's vLLM holds its GPUs until it has shut down)."""
-    if kueue.holding_quota(run.observed.pods):
+    if kueue.holding_quota(run.own_pods):
         return
     ready = find(run.status.conditions, READY)
     message = ready.message if ready is not None else ""

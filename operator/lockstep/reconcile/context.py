@@ -12,6 +12,7 @@ from lockstep import desired, keys, kueue
 from lockstep.api import RLJobSpec, RLJobStatus
 from lockstep.conditions import set_condition
 from lockstep.events import PassScope
+from lockstep.reconcile import ownership
 from lockstep.times import rfc3339
 
 
@@ -46,6 +47,12 @@ class Observed:
     taken: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Pods this job would create whose name another pod has, one not labelled as this job's: name → that pod's
     metadata as the API server returned it (with its managedFields)."""
+    owners: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The StatefulSets that own pods labelled as this job's, and the LeaderWorkerSets that own those, as read
+    (kind and metadata), by UID: what the pods' owner chains lead through (lockstep.reconcile.ownership)."""
+    group_set: dict[str, Any] | None = None
+    """The LeaderWorkerSet of the job's actor groups' name, as read (with its managedFields); None when there is
+    none (or the job has no groups)."""
     trainer_env: dict[str, str] = field(default_factory=dict)
     """Environment defaults of the trainer pods from the operator's own (its OTLP endpoint, lockstep.tracing); a
     variable of the same name in spec.trainer.env replaces the default."""
@@ -116,8 +123,20 @@ class Pass:
         status = self.old.model_copy(deep=True)
         status.observed_generation = self.generation
         self.plan = Plan(status=status)
-        self.pods = {p["metadata"]["name"]: p for p in observed.pods if not p["metadata"].get("deletionTimestamp")}
-        """The job's pods that are not being deleted, by name."""
+        owners = ownership.Owners(observed.owners)
+        by_uid = {str(p["metadata"].get("uid")): p for p in observed.pods}
+        self.own_pods = [p for p in observed.pods if ownership.is_child(p, self.job, owners, by_uid)]
+        """Every pod of the job's own (lockstep.reconcile.ownership), those being deleted included."""
+        self.pods = {p["metadata"]["name"]: p for p in self.own_pods if not p["metadata"].get("deletionTimestamp")}
+        """The job's own pods that are not being deleted, by name."""
+        labelled = (p for p in observed.pods if not p["metadata"].get("deletionTimestamp"))
+        self.squatters = {
+            p["metadata"]["name"]: p
+            for p in labelled
+            if p["metadata"]["name"] not in self.pods and not ownership.awaiting_collection(p, owners)
+        }
+        """Pods that wear the job's labels but are not its children (nor left to the garbage collector): reported,
+        never members, never written to."""
         self.updates_stalled: str | None = None
         """Why no weight update opens for the version the actors should load (lockstep.barrier.held_back), for
         Ready; None when none is stalled."""

@@ -11,7 +11,7 @@ from lockstep import desired, keys
 from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import PARITY_LOCKED, READY
 from lockstep.parity import EffectiveConfig
-from lockstep.reconcile import completion, restarts, summary, weights
+from lockstep.reconcile import completion, ownership, restarts, summary, weights
 from lockstep.reconcile.children import Children, Desired
 from lockstep.reconcile.context import Pass, role
 from lockstep.reconcile.reasons import Reason
@@ -75,20 +75,37 @@ def report_rejected(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None
 
 
 def report_taken(run: Pass, spec: RLJobSpec, config: EffectiveConfig) -> None:
-    """Pods that are not this job's hold the names of pods it needs: name each, with whose it is and what to do;
-    create nothing more (the job needs all its pods), and keep an open barrier moving for the pods that run."""
+    """Objects that are not this job's hold the names of children it needs, or wear its labels: pods the API server
+    refused to create over, pods that are not its children (lockstep.reconcile.ownership), a LeaderWorkerSet of its
+    groups' name that it did not make. Name each, with whose it is and what to do; create and adopt nothing (the job
+    needs all its pods), write nothing to them, and keep an open barrier moving for the job's own pods."""
     if run.status.phase is not Phase.RUNNING:
         run.status.phase = Phase.PENDING
-    taken = sorted(run.observed.taken.items())
-    found = "; ".join(f"pod {name} {_whose(run, metadata)}" for name, metadata in taken)
-    names = " ".join(name for name, _ in taken)
+    owners = ownership.Owners(run.observed.owners)
+    found = [
+        *(f"pod {name} {_whose(run, metadata)}" for name, metadata in sorted(run.observed.taken.items())),
+        *(
+            f"pod {name} wears this RLJob's labels but is not its own: {ownership.whose(pod['metadata'], owners)}"
+            for name, pod in sorted(run.squatters.items())
+        ),
+    ]
+    deletions = [f"pod {name}" for name in sorted({*run.observed.taken, *run.squatters})]
+    group_set = foreign_group_set(run, spec)
+    if group_set is not None:
+        set_name = group_set["metadata"]["name"]
+        found.append(
+            f"LeaderWorkerSet {set_name} was not made by this RLJob, which never adopts one: "
+            f"{ownership.whose(group_set['metadata'], owners)}"
+        )
+        deletions.append(f"{desired.LEADER_WORKER_SET.lower()} {set_name}")
     run.condition(
         READY,
         False,
         Reason.POD_NAME_TAKEN,
-        f"{found}. The job needs that name for a pod of its own: delete the pod (kubectl delete pod -n "
-        f"{run.job.namespace} {names}) and the operator creates its own within a minute, or create the job "
-        "under another name",
+        f"{'; '.join(found)}. The job needs those names for children of its own, and counts no object it did not "
+        f"make: delete them (kubectl delete -n {run.job.namespace} {' '.join(deletions)}; a pod a StatefulSet made "
+        "goes with its StatefulSet) and the operator creates its own within a minute, or create the job under "
+        "another name",
     )
     weights.keep_moving(run, spec, weights.ranks_per_member(spec, config))
 
@@ -109,6 +126,32 @@ def _whose(run: Pass, metadata: dict[str, Any]) -> str:
     owned = ", ".join(f"{owner.get('kind')} {owner.get('name')}" for owner in owners) or "nobody"
     written = f", written by {', '.join(managers)}" if managers else ""
     return f"exists and is not Lockstep's (it lacks the labels {wanted}): owned by {owned}{written}"
+
+
+def foreign_group_set(run: Pass, spec: RLJobSpec) -> dict[str, Any] | None:
+    """The LeaderWorkerSet of the job's groups' name when the job has groups and did not make it (never adopted)."""
+    found = run.observed.group_set
+    if spec.actors.group is None or found is None or ownership.made_by_job(found["metadata"], run.job):
+        return None
+    return found
+
+
+def group_set_edits(run: Pass) -> list[str]:
+    """Who else wrote the spec of the job's own LeaderWorkerSet (its managedFields: any manager but the operator's
+    server-side apply, status writes aside; a scale is a write of the spec too): any field of its templates, not
+    only those the operator sets, is the job's, so such a set is replaced whole."""
+    found = run.observed.group_set
+    if found is None or not ownership.made_by_job(found["metadata"], run.job):
+        return []
+    return sorted(
+        {
+            f"{entry.get('manager', '?')} ({entry.get('operation', '?')})"
+            for entry in found["metadata"].get("managedFields") or []
+            if not (entry.get("manager") == keys.FIELD_MANAGER and entry.get("operation") == "Apply")
+            and entry.get("subresource") != "status"
+            and "f:spec" in (entry.get("fieldsV1") or {})
+        }
+    )
 
 
 def release_for_quota(run: Pass, spec: RLJobSpec, quotas: list[str], refused: str) -> None:
@@ -149,9 +192,20 @@ def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str
     # Pods deleted in this pass are recreated in a later one, once they are gone.
     replaced = [name for name in children.desired.pods if name in run.plan.delete_pods]
     wait = restarts.backoff_remaining(run)
+    edits = group_set_edits(run)
+    if edits:
+        set_name = desired.actor_set_name(run.job.name)
+        run.plan.remove_children.append((desired.LEADER_WORKER_SET, set_name))
+        run.condition(
+            PARITY_LOCKED,
+            False,
+            Reason.DRIFT,
+            f"LeaderWorkerSet {set_name}'s spec was changed by {', '.join(edits)}, not by Lockstep: its groups may not "
+            "run what the job's fingerprint says; replacing it whole",
+        )
     if wait <= 0:
         run.plan.create_pods = [weights.with_committed_weights(run, children.desired.pods[n]) for n in children.missing]
-        if children.desired.group_set is not None:  # LeaderWorkerSet creates the groups' pods, and recreates them
+        if children.desired.group_set is not None and not edits:  # LeaderWorkerSet creates the groups' pods
             run.plan.children.append(children.desired.group_set)
     elif children.missing or replaced:
         run.requeue(wait)

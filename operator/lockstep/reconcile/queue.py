@@ -57,7 +57,7 @@ def admit(run: Pass, spec: RLJobSpec, pods: list[dict[str, Any]]) -> desired.Pla
     decided = kueue.state(current)
     if isinstance(decided, kueue.Evicting):
         assert current is not None
-        if not kueue.holding_quota(run.observed.pods):
+        if not kueue.holding_quota(run.own_pods):
             run.plan.workload_status[name] = kueue.release(current, decided, run.now)
         message = (
             f"Kueue evicted Workload {name} ({decided.reason}: {decided.message}); its pods are deleted, the "

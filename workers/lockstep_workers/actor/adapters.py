@@ -131,10 +131,17 @@ class AdapterFiles:
 
     def write(self, version: int, verified: str) -> Path:
         """Write the adapter from ``verified`` (the path of the checked copy of the published version's file)
-        with the adapter config its safetensors metadata carries; return its directory."""
+        with the adapter config its safetensors metadata carries; return its directory. A file that is not an
+        adapter (full weights: no config in its header) raises ValueError before anything is copied, and a write that
+        fails leaves no directory."""
+        config = lora.adapter_config_of(Path(verified))
         directory = self._directory(version)
-        shutil.copyfile(verified, directory / ADAPTER_FILE)
-        (directory / ADAPTER_CONFIG).write_text(json.dumps(lora.adapter_config_of(Path(verified))))
+        try:
+            shutil.copyfile(verified, directory / ADAPTER_FILE)
+            (directory / ADAPTER_CONFIG).write_text(json.dumps(config))
+        except BaseException:
+            self.remove(version)
+            raise
         return directory
 
     def write_tensors(self, version: int, tensors: dict[str, torch.Tensor], config: str) -> Path:

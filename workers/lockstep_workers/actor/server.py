@@ -57,7 +57,14 @@ from lockstep_workers.actor.architectures import (
 )
 from lockstep_workers.actor.group import node_of, placement
 from lockstep_workers.actor.vllm_args import AppliedSettings, UnsupportedSetting, installed_vllm, map_settings
-from lockstep_workers.weights.files import VerifiedWeights, WeightsDirectory, WeightsOrigin, weights_directory
+from lockstep_workers.weights.files import (
+    NonFiniteWeights,
+    VerifiedWeights,
+    WeightsDirectory,
+    WeightsOrigin,
+    non_finite_tensors,
+    weights_directory,
+)
 from lockstep_workers.weights.transfer import VLLM_ENGINE, StagedTransfer, TrainerManifests, receive
 
 if TYPE_CHECKING:
@@ -281,12 +288,7 @@ class Actor:
         """Load version ``version``'s adapter from the verified copy of its file, generation going on; an adapter
         with a NaN or infinite value is refused."""
         assert self.adapter_files is not None
-        not_finite = await asyncio.to_thread(_not_finite, Path(verified))
-        if not_finite:
-            raise ValueError(
-                f"weights version {version}: the adapter's {', '.join(not_finite[:3])} hold NaN or infinite values "
-                "(a diverged step); refused, the actor keeps serving the version it has"
-            )
+        await asyncio.to_thread(refuse_non_finite, verified, version)
         await self._load_base_adapter()
         await self._register(version, self.adapter_files.write(version, verified))
 
@@ -335,13 +337,15 @@ def routed_experts(completion: Any) -> list[Any] | None:
     return None if experts is None else experts.tolist()
 
 
-def _not_finite(path: Path) -> list[str]:
-    """The names of the tensors in the safetensors file at ``path`` that hold a NaN or an infinite value."""
-    import torch
-
-    from lockstep_workers.weights.files import tensors
-
-    return [name for name, tensor in tensors(path) if not bool(torch.isfinite(tensor).all())]
+def refuse_non_finite(path: str, version: int) -> None:
+    """Raise NonFiniteWeights, naming them, when tensors of weights version ``version`` (the verified copy at
+    ``path``) hold a NaN or an infinite value; the actor keeps serving the version it has."""
+    not_finite = non_finite_tensors(path)
+    if not_finite:
+        raise NonFiniteWeights(
+            f"weights version {version}: {', '.join(not_finite[:3])} hold NaN or infinite values (a diverged step); "
+            "refused, the actor keeps serving the version it has"
+        )
 
 
 def _lora_request(version: int | None, files: AdapterFiles | None) -> Any:
@@ -383,7 +387,12 @@ def weights_origin(backend: WeightSyncBackend, environ: Mapping[str, str]) -> We
 class LoopEngine:
     """The agent's Engine (called from its thread), carried out on the actor's event loop. It loads only weights
     from ``origin``: the job's initial weights and every barrier's (a refused URI raises RefusedWeights, which
-    the agent acks as an error). Staging runs in the agent's thread, so the loop keeps generating meanwhile."""
+    the agent acks as an error). Staging runs in the agent's thread, so the loop keeps generating meanwhile.
+
+    A version with a tensor that is not finite is refused (NonFiniteWeights) before it is loaded: full weights as
+    they are staged, before the pause (one more read of the in-memory copy); a LoRA adapter as it is added. Weights
+    sent in a transfer group stream into vLLM unchecked here: the trainer sends its published file, and a publish
+    refuses such a tensor (lockstep_workers.weights.files)."""
 
     def __init__(self, actor: Actor, loop: asyncio.AbstractEventLoop, origin: WeightsOrigin) -> None:
         self.actor = actor
@@ -400,7 +409,14 @@ class LoopEngine:
         self.origin.check(weights)
         if group is not None:
             return StagedTransfer.fetch(weights, group)
-        return self.origin.read(weights)
+        verified = self.origin.read(weights)
+        if self.actor.adapters is None:  # an adapter is checked as it is added (Actor.load)
+            try:
+                refuse_non_finite(verified.path, weights.version)
+            except BaseException:
+                verified.close()
+                raise
+        return verified
 
     def swap(self, staged: Staged) -> None:
         assert isinstance(staged, StagedTransfer | VerifiedWeights), staged

@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 def informative(rewards: Sequence[float]) -> bool:
     """Whether a group's rewards carry a learning signal: not all equal (equal rewards give every sample the same
-    advantage, 0 against the group's baseline)."""
+    advantage, 0 against the group's baseline; reinforce_plus_plus has none, and filters them all the same)."""
     return len(set(rewards)) > 1
 
 

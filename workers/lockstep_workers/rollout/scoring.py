@@ -6,7 +6,8 @@ A reward whose parameters include ``completion``, ``prompt`` and ``row`` is call
 completion, the prompt's text, its dataset row); any other with (prompt token ids, completion token ids). A reward
 that raises, or returns NaN or an infinity (which would reach the loss and the trainer's reports), is counted, logged
 with the row, and scored as spec.trainer.onRewardError says: Zero scores it 0, Fail stops the trainer
-(RewardFailed).
+(RewardFailed). So is a completion whose weighted sum of several functions' rewards overflows, naming the function
+whose weighted reward is the largest: Zero scores the completion 0.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class Scorer:
 
     def scores(self, samples: Sequence[RewardInput]) -> Scores:
         """Each sample's rewards (a function that raised is logged with the row and scores 0, or with onRewardError
-        Fail, RewardFailed is raised)."""
+        Fail, RewardFailed is raised; so is a sample whose weighted sum is not finite, whose reward is then 0)."""
         references = [function.function for function in self.functions for _ in samples]
         chunk = max(1, len(references) // (4 * self.processes))
         outcomes = list(self.pool.map(score, references, [*samples] * len(self.functions), chunksize=chunk))
@@ -135,12 +136,27 @@ class Scorer:
             for sample, outcome in zip(samples, mine, strict=True):
                 if outcome.reward is None:
                     errors += 1
-                    self._failed(function.function, sample, outcome.error or "")
+                    self._failed(function.function, outcome.error or "", sample)
             parts[function.name] = [0.0 if outcome.reward is None else outcome.reward for outcome in mine]
         rewards = weighted_sum(list(parts.values()), [function.weight for function in self.functions])
+        for n, (sample, reward) in enumerate(zip(samples, rewards, strict=True)):
+            if not math.isfinite(reward):
+                errors += 1
+                self._failed(*self._overflow(parts, n, reward), sample)
+                rewards[n] = 0.0
         return Scores(rewards, parts, errors)
 
-    def _failed(self, reference: str, sample: RewardInput, error: str) -> None:
+    def _overflow(self, parts: dict[str, list[float]], n: int, total: float) -> tuple[str, str]:
+        """The reward function to blame for sample ``n``'s weighted sum ``total`` not being finite (each reward is
+        finite: the largest weighted one) and why."""
+        largest = max(self.functions, key=lambda function: abs(function.weight * parts[function.name][n]))
+        reward = parts[largest.name][n]
+        return largest.function, (
+            f"ValueError: the weighted sum of the rewards is {total}: this function returned {reward}, times its "
+            f"weight {largest.weight} in spec.trainer.rewards"
+        )
+
+    def _failed(self, reference: str, error: str, sample: RewardInput) -> None:
         logger.warning(
             "the reward function %s raised on row %s (prompt %r, completion %r), scored as onRewardError %s says:\n%s",
             reference,

@@ -24,7 +24,7 @@ from lockstep.api import AdvantageEstimator, Objective
 from lockstep_workers.rollout.record import Rollout, lag_of
 from lockstep_workers.trainer import routing
 from lockstep_workers.trainer.objective import Batch, Statistics, loss_denominator, policy_loss
-from lockstep_workers.trainer.optimization import clip_gradients
+from lockstep_workers.trainer.optimization import SkippedSteps, clip_gradients
 from lockstep_workers.weights import lora
 
 HEAD_CHUNK_TOKENS = 4096
@@ -242,11 +242,14 @@ def group_advantages(
     """Each reward against its group's (``estimator`` grpo, dr_grpo or rloo, docs/recipes.md): grpo, minus the
     group's mean, over its population standard deviation (divided by the group's size, not size - 1 as verl's
     sample one is) plus 1e-6; dr_grpo, minus the group's mean; rloo, minus the mean of the group's other rewards (0
-    alone in its group). A group whose rewards are all equal gets 0."""
+    alone in its group). A group whose rewards are all equal gets exactly 0 (its mean, a sum over a count, can differ
+    from its rewards in the last bit)."""
     advantages = torch.zeros_like(rewards)
     for group in groups.unique():
         members = groups == group
         values = rewards[members]
+        if values.unique().numel() == 1:
+            continue
         centred = values - values.mean()
         if estimator is AdvantageEstimator.GRPO:
             advantages[members] = centred / (values.std(unbiased=False) + 1e-6)
@@ -260,21 +263,23 @@ def group_advantages(
 def whitened_rewards(rewards: torch.Tensor, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
     """REINFORCE++'s advantages: each reward (every token's return, with one reward at the end and no discount)
     whitened over every token of the step on every rank, as verl's masked_whiten: (r - mean) / sqrt(var + 1e-8),
-    mean and unbiased variance over the tokens (``tokens``: each sequence's count; a collective)."""
-    count, total, squares = _summed(
-        [tokens.sum().item(), (tokens * rewards).sum().item(), (tokens * rewards**2).sum().item()], device
-    )
+    mean and unbiased variance over the tokens (``tokens``: each sequence's count; two collectives). The variance is
+    taken in two passes, the squares of the rewards' distances to the mean: one pass (the mean of the squares minus
+    the square of the mean) loses every digit of a small spread around a large reward."""
+    count, total = _summed([tokens.sum().item(), (tokens * rewards).sum().item()], device)
     mean = total / max(count, 1.0)
-    variance = (squares - count * mean**2) / (count - 1) if count > 1 else 0.0
-    return (rewards - mean) / math.sqrt(max(variance, 0.0) + 1e-8)
+    (squares,) = _summed([(tokens * (rewards - mean) ** 2).sum().item()], device)
+    variance = squares / (count - 1) if count > 1 else 0.0
+    return (rewards - mean) / math.sqrt(variance + 1e-8)
 
 
 def _batch_statistics(
-    rewards: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, kept: torch.Tensor
+    rewards: torch.Tensor, advantages: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, kept: torch.Tensor
 ) -> Statistics:
-    """The rewards, the groups whose rewards are all equal (no advantage, no gradient) and the sampled tokens the
-    trainer's top-p set leaves out."""
-    equal = sum(int(rewards[groups == group].unique().numel() == 1) for group in groups.unique())
+    """The rewards, the groups whose advantages are all 0 (no gradient: under grpo, dr_grpo and rloo a group whose
+    rewards are all equal; under reinforce_plus_plus, which has no group baseline, only one whose rewards are all
+    the step's mean) and the sampled tokens the trainer's top-p set leaves out."""
+    equal = sum(int(bool((advantages[groups == group] == 0).all())) for group in groups.unique())
     return Statistics(
         {
             "samples": float(len(rewards)),
@@ -291,11 +296,14 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _gradient_statistics(norm: float) -> Statistics:
-    """An optimiser step's gradient norm (before clipping). It is the whole model's, the same on every rank, so
-    rank 0's alone is counted (every rank has the statistics, which ``across_ranks`` adds)."""
+def _gradient_statistics(norm: float, taken: bool) -> Statistics:
+    """An optimiser step's gradient norm (before clipping), or a step skipped (``taken`` False) for a norm that is
+    not finite, which no metric averages in. The norm is the whole model's, the same on every rank, so rank 0's
+    alone is counted (every rank has the statistics, which ``across_ranks`` adds)."""
     counted = 1.0 if not dist.is_initialized() or dist.get_rank() == 0 else 0.0
-    return Statistics({"grad_norm": norm * counted, "optimizer_steps": counted})
+    if not taken:
+        return Statistics({"optimizer_steps": 0.0, "skipped_optimizer_steps": counted})
+    return Statistics({"grad_norm": norm * counted, "optimizer_steps": counted, "skipped_optimizer_steps": 0.0})
 
 
 def _summed(values: list[float], device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
@@ -334,6 +342,7 @@ def learn(
     max_tokens: int | None = None,
     reference: Policy | None = None,
     replay_routing: bool = False,
+    skipped: SkippedSteps | None = None,
 ) -> dict[str, float]:
     """``objective.minibatches`` optimiser steps on a batch of rollouts (each on a slice of its prompt groups, in
     micro-batches of ``objective.tokens_per_micro_batch``); this rank's metrics (its sums and counts over the
@@ -356,6 +365,10 @@ def learn(
     measures the routing (routing_mismatch against the engine's, expert_load_imbalance), and with
     objective.router_aux_loss_coefficient the loss adds the routers' load-balancing loss. Never otherwise: the
     model's own forward, which adds it with output_router_logits, is not what computes the loss here.
+
+    An optimiser step whose gradient norm is not finite is skipped: its gradients are dropped and no weight changes
+    (metric ``skipped_optimizer_steps``, and a warning). ``skipped`` counts them in a row across calls (the trainer's
+    own; None: this call's alone) and raises NonFiniteGradients at its limit.
     """
     if version is not None and max_lag is not None:
         stale = [lag_of(r, version) for r in rollouts if lag_of(r, version) > max_lag]
@@ -364,6 +377,7 @@ def learn(
                 f"{len(stale)} rollout(s) up to {max(stale)} versions behind weights version {version}, more than "
                 f"spec.trainer.maxLag {max_lag}: they must be dropped before learning"
             )
+    skipped = skipped if skipped is not None else SkippedSteps()
     device = device_of(policy)
     everything = list(range(len(rollouts)))
     widest = max(len(r.completion) for r in rollouts)
@@ -401,7 +415,7 @@ def learn(
         advantages = whitened_rewards(reward, mask.sum(dim=-1).double().cpu(), device).to(device)
     else:
         advantages = group_advantages(reward, groups, objective.advantage).to(device)
-    statistics = _batch_statistics(reward, groups, sampled.cpu(), mask.cpu()) + Statistics(routed)
+    statistics = _batch_statistics(reward, advantages.cpu(), groups, sampled.cpu(), mask.cpu()) + Statistics(routed)
     for chunk in torch.tensor_split(groups.unique(), objective.minibatches):
         rows = torch.isin(groups, chunk).nonzero()[:, 0].tolist()
         # What the minibatch's loss averages over, on every rank together: each micro-batch's loss is weighted by
@@ -440,8 +454,12 @@ def learn(
                 (loss * _world()).backward()
             statistics += measured
         norm = clip_gradients(policy.parameters(), objective.optimizer.max_grad_norm)
-        statistics += _gradient_statistics(norm)
-        optimizer.step()
+        if skipped.allows(norm):
+            optimizer.step()
+            statistics += _gradient_statistics(norm, taken=True)
+        else:
+            optimizer.zero_grad()
+            statistics += _gradient_statistics(norm, taken=False)
     if version is not None:
         statistics += _staleness(rollouts, old, rollout, mask, version)
     return {**statistics.metrics(), **statistics.as_floats()}

@@ -28,13 +28,16 @@ experts the actors routed it to.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,6 +82,11 @@ from lockstep_workers.weights.files import (
 from lockstep_workers.weights.transfer import manifest_uri
 
 logger = logging.getLogger("lockstep.trainer")
+
+TERMINATION_LOG = Path("/dev/termination-log")
+"""Where the kubelet takes a container's termination message from (the trainer container's default
+terminationMessagePath): a file it mounts there, which the operator quotes the last line of in the job's condition
+(lockstep.reconcile.restarts)."""
 
 
 def train(model_path: str, settings: Training, env: PodEnvironment, actors: Actors) -> None:
@@ -133,8 +141,8 @@ class Leader:
 @dataclass(frozen=True)
 class Run:
     """What the steps run with, on every rank: the job's training settings, this pod's environment, the base model's
-    path, this rank's model and its learning rates (at ``first_step``'s rate), the ParityPolicy's mismatch budget, and
-    on rank 0 its ``leader`` side."""
+    path, this rank's model and its learning rates (at ``first_step``'s rate), the ParityPolicy's mismatch budget, on
+    rank 0 its ``leader`` side, and the optimiser steps skipped in a row."""
 
     settings: Training
     env: PodEnvironment
@@ -144,6 +152,8 @@ class Run:
     first_step: int
     budget: float
     leader: Leader | None
+    skipped: optimization.SkippedSteps = field(default_factory=optimization.SkippedSteps)
+    """The optimiser steps skipped in a row for a gradient norm that is not finite, across the steps."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +340,7 @@ def _learn(run: Run, step: int, batch: Sampled, device: torch.device) -> dict[st
         max_tokens=rollout.max_tokens,
         reference=run.model.reference,
         replay_routing=env.config is not None and env.config.routing_replay,
+        skipped=run.skipped,
     )
     metrics = across_ranks(metrics, device)
     metrics["learn_seconds"] = time.monotonic() - learning
@@ -449,6 +460,12 @@ def _publish_and_announce(
             measured,
             budget,
         )
+    if metrics.get("skipped_optimizer_steps"):
+        logger.warning(
+            "step %d: %d of its optimiser steps skipped, their gradient norm not finite (skipped_optimizer_steps)",
+            step,
+            metrics["skipped_optimizer_steps"],
+        )
     logger.info(
         "step %d/%d: reward %.3f, clip rate %.3f, KL %.2e, ESS %.3f, on-policy |Δlogprob| %s, staleness %d, %.1fs; "
         "announced weights version "
@@ -493,4 +510,20 @@ def main() -> None:
     settings = env.config.training
     function = load_rollout_function(settings.rollout.function)
     actors = ActorService(discovery(env.actors_service, env.namespace, env.actors), function=function)
-    train(options.model, settings, env, actors)
+    try:
+        train(options.model, settings, env, actors)
+    except (Exception, SystemExit) as error:
+        write_termination_message(error)
+        raise
+
+
+def write_termination_message(error: BaseException, path: Path = TERMINATION_LOG) -> None:
+    """Why the trainer stops, as its traceback's last line says it (a SystemExit: its message), written to ``path``
+    when the kubelet mounted it there (nothing is written elsewhere): the job's condition then quotes it whatever the
+    process logs after it (torch.distributed's warnings at exit), where the fallback to the log's last line would
+    quote those."""
+    if not path.exists():
+        return
+    said = str(error.code) if isinstance(error, SystemExit) else "".join(traceback.format_exception_only(error))
+    with contextlib.suppress(OSError):  # never in the way of the error itself
+        path.write_text(said.strip() + "\n")

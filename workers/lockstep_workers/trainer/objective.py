@@ -8,7 +8,8 @@ and the policy being trained (``new``, with gradient).
 minibatches and ranks, and divided once per step (``Statistics.metrics``), so that every metric is the same for
 any micro-batch size and any number of ranks. docs/corrections.md gives every metric's formula and peer name.
 
-- PPO: token ratio r = exp(new - old), clipped to [1 - eps_low, 1 + eps_high], mean over all kept tokens.
+- PPO: token ratio r = exp(new - old), clipped to [1 - eps_low, 1 + eps_high], mean over all kept tokens. With
+  a dual-clip ratio c (off by default), a term with a negative advantage A is at least c A, as verl's vanilla loss.
 - GRPO: the same clipped token objective, averaged within each sequence, then over sequences.
 - GSPO: one ratio per sequence, s = exp(mean over its tokens of new - old), clipped the same way; in its token form
   (each token's term has the value of s and the gradient of its own logprob), so that a token-level correction
@@ -138,6 +139,8 @@ class Statistics:
                 "rollout_probs_diff_max": max(m.get("probs_diff", 0.0), 0.0),
                 "rollout_actor_probs_pearson_corr": _pearson(s, m.get("probs_diff", 0.0)),
             }
+        if "dual_clipped" in s:
+            out["pg_clipfrac_lower"] = ratio("dual_clipped", "clip_units")
         if "entropy" in s:
             out["entropy"] = ratio("entropy", "tokens")
         if "entropy_bonus" in s:
@@ -147,6 +150,7 @@ class Statistics:
             out["kl_ref"] = ratio("kl_ref", "tokens")
         if "optimizer_steps" in s:
             out["grad_norm"] = ratio("grad_norm", "optimizer_steps")
+            out["skipped_optimizer_steps"] = s.get("skipped_optimizer_steps", 0.0)
         if "samples" in s:
             out["reward"] = ratio("reward", "samples")
             out["zero_advantage_groups"] = s["zero_advantage_groups"]
@@ -305,6 +309,12 @@ def policy_loss(batch: Batch, objective: Objective, max_tokens: int | None = Non
     advantages = batch.advantages.double()[:, None]
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
     clipped = ((ratio.detach() < low) | (ratio.detach() > high)).float() * mask
+    dual: dict[str, torch.Tensor] = {}
+    if objective.dual_clip_ratio is not None:  # verl's vanilla loss: max(surrogate, c A) where A < 0
+        floor = objective.dual_clip_ratio * advantages
+        bounded = (advantages < 0) & (surrogate.detach() < floor)
+        surrogate = torch.where(bounded, floor, surrogate)
+        dual = {"dual_clipped": bounded.double() * mask}
     correction = rollout_correction(old, rollout, mask, objective)
     terms = surrogate * correction.weight
     sequences = has_tokens.sum()
@@ -327,8 +337,10 @@ def policy_loss(batch: Batch, objective: Objective, max_tokens: int | None = Non
         bonus |= {"kl_loss": penalty.detach(), "kl_ref": (estimate.detach() * mask).sum()}
     if objective.algorithm is Algorithm.GSPO:  # one ratio, so one clip decision, per sequence
         clip = {"clipped": clipped.amax(dim=-1).sum(), "clip_units": sequences}
+        clip |= {name: value.amax(dim=-1).sum() for name, value in dual.items()}
     else:
         clip = {"clipped": clipped.sum(), "clip_units": mask.sum()}
+        clip |= {name: value.sum() for name, value in dual.items()}
     loss = (summed / units.clamp(min=1)).to(batch.new.dtype)
     with torch.no_grad():
         x = log_ratio.detach()

@@ -38,6 +38,7 @@ STEP_METRICS = (
     "reward_errors",
     "entropy",
     "clamp_log_ratio_new_old_indicator",
+    "pg_clipfrac_lower",
     "kl_new_old",
     "ess",
     "mean_abs_logprob_diff",
@@ -75,6 +76,7 @@ STEP_METRICS = (
     "kl_ref",
     "kl_loss",
     "grad_norm",
+    "skipped_optimizer_steps",
     "learning_rate",
     "publish_gather_seconds",
     "publish_wait_seconds",
@@ -99,7 +101,8 @@ a request in progress, by their own count (only when they report it). With dynam
 (spec.trainer.rollout.dynamicSampling, and only then): ``dropped_groups``, ``extra_groups`` and ``unfilled_groups``
 (lockstep_workers.rollout.producer.StepGroups). ``truncated_fraction``, the share of the step's completions cut at
 maxTokens, and with spec.trainer.rollout.overlong's penalty ``overlong_penalty``, its mean
-(lockstep_workers.trainer.shaping)."""
+(lockstep_workers.trainer.shaping). ``skipped_optimizer_steps``: the step's optimiser steps skipped for a gradient norm
+that is not finite (lockstep_workers.trainer.optimization.SkippedSteps)."""
 GAUGES = {name: Gauge(f"lockstep_trainer_{name}", f"The last step's {name}.") for name in STEP_METRICS}
 LAG_PREFIX, LAG_SUFFIX = "lag_", "_sequences"
 """A step's ``lag_<n>_sequences``: how many of its sequences' oldest tokens are n versions behind its weights."""

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lockstep.origin import WEIGHTS_DIRECTORY, TrainerManifest, WeightsFiles, origin_problem
@@ -40,6 +41,37 @@ class DigestMismatch(OSError):
 
 class RefusedWeights(ValueError):
     """Weights announced at a URI outside the job's own weights: never loaded."""
+
+
+class NonFiniteWeights(ValueError):
+    """A tensor of a weights version holds a NaN or an infinite value (a diverged step): never published, and an
+    actor never loads such a version."""
+
+
+FINITE_CHECK_ELEMENTS = 1 << 24
+"""How many elements of a tensor ``finite`` checks at once: its mask is at most this many bytes, whatever the
+tensor's size."""
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite (a tensor that is not floating point always is), a slice at a time.
+    A slice whose sum is finite holds no NaN or infinity (either would make the sum one): one fast reduction, over ten
+    times isfinite's speed on a CPU; only a slice whose sum is not finite (a NaN, or finite values that overflow it)
+    is checked value by value. fp8 slices are widened first: torch has neither sum nor isfinite for float8_e4m3fn."""
+    if not tensor.is_floating_point():
+        return True
+    for part in tensor.detach().reshape(-1).split(FINITE_CHECK_ELEMENTS):
+        values = part.float() if part.element_size() == 1 else part
+        if not bool(values.sum().isfinite()) and not bool(values.isfinite().all()):
+            return False
+    return True
+
+
+def non_finite_tensors(path: Path | str) -> list[str]:
+    """The names of the tensors of the safetensors file at ``path`` that hold a NaN or an infinite value, read one at
+    a time (never the whole file in memory)."""
+    with safe_open(str(path), framework="pt") as opened:
+        return [name for name in opened.keys() if not finite(opened.get_tensor(name))]  # noqa: SIM118
 
 
 class WeightsOrigin(Protocol):
@@ -191,15 +223,19 @@ def publish_layers(
     tensors will do), their data arriving as ``layers`` yields them, in the same order (``write_safetensors``), with
     the header's ``metadata``; return what to announce. The file is hashed as it is written, and on disk (file and
     directory flushed) under its final name before this returns: a crash leaves either the whole version or none
-    under that name. Older versions go once they are neither among the ``keep`` newest nor younger than
-    RETAIN_SECONDS."""
+    under that name. A tensor that is not finite raises NonFiniteWeights, naming it, and leaves no file. Older
+    versions go once they are neither among the ``keep`` newest nor younger than RETAIN_SECONDS."""
     directory.mkdir(parents=True, exist_ok=True)
     final = version_path(directory, version)
     partial = final.with_name(f".{final.name}.partial")
-    with partial.open("wb") as stream:
-        digest = write_safetensors(layout, layers, stream, metadata)
-        stream.flush()
-        os.fsync(stream.fileno())
+    try:
+        with partial.open("wb") as stream:
+            digest = write_safetensors(layout, layers, stream, metadata)
+            stream.flush()
+            os.fsync(stream.fileno())
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, final)
     fsync_directory(directory)
     retained_since = time.time() - RETAIN_SECONDS
@@ -313,7 +349,8 @@ def write_safetensors(
     sharing storage), which must yield exactly ``layout``'s tensors in its order: a layer is written, and may be
     freed, before the next is asked for. ``metadata`` (strings to strings) is the header's ``__metadata__``, which
     the digest covers as it covers the whole header. Raises ValueError before writing anything when a tensor would
-    not be aligned to its element size, and when the data does not match the header."""
+    not be aligned to its element size, and when the data does not match the header; NonFiniteWeights, naming the
+    tensor, before writing one that holds a NaN or an infinite value."""
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("safetensors metadata maps strings to strings")
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata is not None else {}
@@ -343,6 +380,10 @@ def write_safetensors(
             if want is None or name != want_name or tensor.dtype != want.dtype or tensor.shape != want.shape:
                 raise ValueError(
                     f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} arrived where the header has {want_name}"
+                )
+            if not finite(tensor):
+                raise NonFiniteWeights(
+                    f"tensor {name} holds NaN or infinite values (a diverged step): the version is not published"
                 )
             data = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
             sha.update(data)

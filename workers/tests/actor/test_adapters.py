@@ -5,13 +5,14 @@ requests take the newest adapter once resumed; an adapter beyond maxLag goes onc
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lockstep.api import LoraSettings
-from lockstep_workers.actor.adapters import AdapterTable, LoraEngine, adapter_id
+from lockstep_workers.actor.adapters import AdapterFiles, AdapterTable, LoraEngine, adapter_id
 
 TEMPERATURE = 0.7
 PROMPT = [1, 10, 11, 12, 13]
@@ -42,6 +43,28 @@ def test_vllm_is_asked_for_max_lag_plus_two_adapters_of_an_allowed_rank() -> Non
     engine = LoraEngine(LoraSettings(rank=12), max_lag=2)
     assert adapter_id(0) == 1, "vLLM's adapter ids start at 1; version 0 is the base model's adapter of zeros"
     assert engine.engine_args() == {"enable_lora": True, "max_loras": 4, "max_cpu_loras": 6, "max_lora_rank": 16}
+
+
+def test_full_weights_announced_in_a_lora_job_leave_no_copy_in_the_adapter_directory(tmp_path: Path) -> None:
+    """Issue 46 item 7: the whole file was copied before its header was found to carry no adapter config."""
+    import torch
+
+    from lockstep_workers.weights.files import publish, version_path
+    from lockstep_workers.weights.lora import ADAPTER_CONFIG_METADATA
+
+    (tmp_path / "adapters").mkdir()
+    files = AdapterFiles(tmp_path / "adapters")
+    publish({"model.embed_tokens.weight": torch.ones(4, 2)}, tmp_path / "weights", version=3)
+    with pytest.raises(ValueError, match="is not a LoRA adapter version"):
+        files.write(3, str(version_path(tmp_path / "weights", 3)))
+    assert list(files.root.iterdir()) == []
+    config = {"r": 8, "peft_type": "LORA"}
+    publish(
+        {"a": torch.ones(2)}, tmp_path / "weights", version=4, metadata={ADAPTER_CONFIG_METADATA: json.dumps(config)}
+    )
+    written = files.write(4, str(version_path(tmp_path / "weights", 4)))
+    assert json.loads((written / "adapter_config.json").read_text()) == config
+    assert sorted(p.name for p in written.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def publish_adapter(model_dir: Path, directory: Path, version: int, seed: int) -> tuple[Any, Any]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import os
 import random
 import socket
@@ -49,10 +51,14 @@ from lockstep_workers.tiny_model import create_tiny_llama
 from lockstep_workers.tiny_models import FAMILIES, create_tiny_model, family
 from lockstep_workers.trainer import learner
 from lockstep_workers.trainer.learner import Policy, learn, token_logprobs
+from lockstep_workers.trainer.loop import _publish_and_announce
 from lockstep_workers.trainer.objective import Statistics
+from lockstep_workers.trainer.optimization import NonFiniteGradients, SkippedSteps
+from lockstep_workers.trainer.pod import PodEnvironment
 from lockstep_workers.trainer.routing import EXPERT_LOAD_IMBALANCE, ROUTING_MISMATCH, TOKENS_DROPPED
 from lockstep_workers.trainer.shaping import masked_if_cut
 from lockstep_workers.weights import lora
+from lockstep_workers.weights.files import StreamedPublish
 
 TEMPERATURE = 1.0
 
@@ -265,7 +271,10 @@ def test_the_step_metrics_are_the_same_for_any_micro_batch_size_and_number_of_ra
                 Policy(copy), optimizer, rollouts, rewards, objective, 1.0, version=0, max_tokens=5
             )
         one_pass = Statistics.from_floats(measured[None]).metrics()
-        assert one_pass["zero_advantage_groups"] == 1 and one_pass["clamp_log_ratio_new_old_indicator"] > 0
+        # reinforce_plus_plus has no group baseline: the equal-reward group has an advantage there
+        equal_groups_without_advantage = 0 if variant.get("advantage") == "reinforce_plus_plus" else 1
+        assert one_pass["zero_advantage_groups"] == equal_groups_without_advantage
+        assert one_pass["clamp_log_ratio_new_old_indicator"] > 0
         assert 0 < one_pass["rollout_is_masked_fraction"] < 1, "the mask acts on some sequences here"
         assert Statistics.from_floats(measured[8]).metrics() == pytest.approx(one_pass, rel=1e-4, abs=1e-6)
         if variant.get("advantage") == "reinforce_plus_plus":
@@ -322,6 +331,99 @@ def test_a_sample_older_than_max_lag_never_reaches_the_loss(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"1 rollout\(s\) up to 2 versions behind weights version 5, more than "):
         learn(Policy(model), optimizer, [fresh, stale], [0.0, 1.0], Objective(), TEMPERATURE, version=5, max_lag=1)
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items()), "no step taken"
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_too_many_in_a_row_stop_the_trainer(tmp_path: Path) -> None:
+    """Issue 46 item 5: a finite loss whose backward overflows (here a hook makes one gradient infinite) no longer
+    steps AdamW, which wrote NaN into the weights: both minibatches are skipped and counted, the weights are the
+    ones the step started from; the next finite step learns; the limit in a row raises NonFiniteGradients."""
+    model = tiny(tmp_path / "model")
+    rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=2, length=4)
+    rewards = [0.0, 1.0, 1.0, 0.0]
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    overflow = model.lm_head.weight.register_hook(lambda gradient: gradient * math.inf)
+    skipped = SkippedSteps()
+    metrics = learn(Policy(model), optimizer, rollouts, rewards, Objective(minibatches=2), TEMPERATURE, skipped=skipped)
+    assert math.isfinite(metrics["loss"]) and metrics["skipped_optimizer_steps"] == 2.0 and skipped.in_a_row == 2
+    assert metrics["grad_norm"] == 0.0, "no step taken: none averaged"
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items()), "no weight moved"
+    overflow.remove()
+    metrics = learn(Policy(model), optimizer, rollouts, rewards, Objective(minibatches=2), TEMPERATURE, skipped=skipped)
+    assert metrics["skipped_optimizer_steps"] == 0.0 and skipped.in_a_row == 0 and metrics["grad_norm"] > 0
+    assert all(t.isfinite().all() for t in model.state_dict().values())
+    assert any(not torch.equal(t, before[n]) for n, t in model.state_dict().items()), "the finite step learned"
+    model.lm_head.weight.register_hook(lambda gradient: gradient * math.nan)
+    with pytest.raises(NonFiniteGradients, match="2 optimiser steps in a row had gradient norm nan"):
+        learn(
+            Policy(model),
+            optimizer,
+            rollouts,
+            rewards,
+            Objective(minibatches=2),
+            TEMPERATURE,
+            skipped=SkippedSteps(limit=2),
+        )
+
+
+def test_zero_advantage_groups_are_those_without_advantage_under_each_estimator(tmp_path: Path) -> None:
+    """Issue 46 item 6: a group whose rewards are all equal has no advantage under grpo, but under reinforce_plus_plus
+    (no group baseline) it has one, its reward against the step's mean: the metric counted it as having none."""
+    model = tiny(tmp_path / "model")
+    rollouts = sample(model, [[1, 10, 11], [1, 20, 21]], group=2, length=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    found = {
+        estimator: learn(
+            Policy(model), optimizer, rollouts, [1.0, 1.0, 0.0, 1.0], Objective(advantage=estimator), TEMPERATURE
+        )["zero_advantage_groups"]
+        for estimator in ("grpo", "reinforce_plus_plus")
+    }
+    assert found == {"grpo": 1.0, "reinforce_plus_plus": 0.0}
+
+
+def test_a_step_that_skipped_optimiser_steps_says_so_in_the_trainers_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = PodEnvironment(0, 1, [], tmp_path, None, None, None, 0)
+    metrics = {
+        "reward": 0.5,
+        "staleness": 0.0,
+        "clamp_log_ratio_new_old_indicator": 0.0,
+        "kl_new_old": 0.0,
+        "ess": 1.0,
+        "publish_gather_seconds": 0.0,
+        "publish_wait_seconds": 0.0,
+        "skipped_optimizer_steps": 2.0,
+    }
+    writing = StreamedPublish({"weight": torch.zeros(2)}, env.weights_dir, 3, keep=3)
+    writing.put({"weight": torch.zeros(2)})
+    writing.close()
+    with caplog.at_level(logging.WARNING, logger="lockstep.trainer"):
+        _publish_and_announce(
+            env, Training(reward="lockstep_workers.rewards:target_words"), 3, writing, metrics, 1.0, 1.0
+        )
+    assert "step 3: 2 of its optimiser steps skipped, their gradient norm not finite" in caplog.text
+    assert json.loads(env.metrics_file.read_text())["skipped_optimizer_steps"] == 2.0
+
+
+def test_why_the_trainer_stops_is_its_termination_message_which_the_job_condition_quotes(tmp_path: Path) -> None:
+    """Issue 46 item 5: the condition quoted the log's last line, which a warning printed at exit could be."""
+    from lockstep.reconcile.restarts import termination_message
+    from lockstep_workers.trainer.loop import write_termination_message
+
+    mounted = tmp_path / "termination-log"
+    mounted.touch()
+    with pytest.raises(NonFiniteGradients) as stopped:
+        SkippedSteps(limit=1).allows(math.nan)
+    write_termination_message(stopped.value, mounted)
+    said = mounted.read_text()
+    assert said == f"lockstep_workers.trainer.optimization.NonFiniteGradients: {stopped.value}\n"
+    pod = {"status": {"containerStatuses": [{"state": {"terminated": {"exitCode": 1, "message": said}}}]}}
+    assert termination_message(pod) == said.strip(), "quoted whole"
+    write_termination_message(SystemExit("spec.trainer.dataset: no such file"), mounted)
+    assert mounted.read_text() == "spec.trainer.dataset: no such file\n"
+    write_termination_message(stopped.value, tmp_path / "absent")
+    assert not (tmp_path / "absent").exists(), "written only where the kubelet mounted the file"
 
 
 def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
@@ -428,7 +530,6 @@ def test_the_rollout_function_is_an_async_function_named_by_the_spec() -> None:
 def test_the_trainer_refuses_to_run_without_its_weights_directory(tmp_path: Path) -> None:
     from lockstep_workers.rollout.client import ActorService, FixedActors
     from lockstep_workers.trainer.loop import train
-    from lockstep_workers.trainer.pod import PodEnvironment
 
     env = PodEnvironment(0, 1, ["http://actors:8000"], None, None, None, None, 0)
     actors = ActorService(FixedActors(env.actors))

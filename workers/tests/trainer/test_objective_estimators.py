@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,10 +44,12 @@ def reference_loss(
     coefficient: float,
     reference: torch.Tensor,
     kl: tuple[float, KlEstimator],
+    dual_clip: float | None = None,
 ) -> torch.Tensor:
     """-agg(min(r A, clip(r) A)) - c agg(H) + beta agg(k(log pi - log pi_ref)), term by term: r per token (PPO,
     GRPO) or GSPO's s_i = exp(mean_t log r) for every token of sequence i; agg as verl's agg_loss (token-mean;
-    seq-mean-token-mean) and TRL's dr_grpo (sum over the batch's tokens / (sequences x max completion length))."""
+    seq-mean-token-mean) and TRL's dr_grpo (sum over the batch's tokens / (sequences x max completion length));
+    with ``dual_clip`` c, verl's vanilla loss: a term with A < 0 is max(term, c A)."""
     per_sequence_terms: list[list[torch.Tensor]] = []
     per_sequence_entropy: list[list[torch.Tensor]] = []
     per_sequence_kl: list[list[torch.Tensor]] = []
@@ -61,7 +64,10 @@ def reference_loss(
         else:
             ratios = [torch.exp(new[i, t] - old[i, t]) for t in kept]
         a = advantages[i]
-        per_sequence_terms.append([torch.minimum(r * a, r.clamp(LOW, HIGH) * a) for r in ratios])
+        terms = [torch.minimum(r * a, r.clamp(LOW, HIGH) * a) for r in ratios]
+        if dual_clip is not None and a < 0:
+            terms = [torch.maximum(term, dual_clip * a) for term in terms]
+        per_sequence_terms.append(terms)
         per_sequence_entropy.append([entropy[i, t] for t in kept])
         per_sequence_kl.append([schulman(new[i, t] - reference[i, t], estimator) for t in kept])
 
@@ -93,6 +99,7 @@ def schulman(x: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
     aggregation=st.sampled_from(list(LossAggregation)),
     coefficient=st.sampled_from([0.0, 0.05]),
     kl=st.sampled_from([(0.0, KlEstimator.K3), *((0.1, estimator) for estimator in KlEstimator)]),
+    dual_clip=st.sampled_from([None, 1.1]),  # just above 1: ratios of this batch's spread reach it
 )
 def test_the_loss_and_its_gradient_are_the_formulas(
     seed: int,
@@ -101,6 +108,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(
     aggregation: LossAggregation,
     coefficient: float,
     kl: tuple[float, KlEstimator],
+    dual_clip: float | None,
 ) -> None:
     new, old, advantages, mask, entropy = random_batch(seed, sequences)
     reference = (
@@ -114,6 +122,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(
         kl_estimator=kl[1],
         clip_epsilon_low=1 - LOW,
         clip_epsilon_high=HIGH - 1,
+        dual_clip_ratio=dual_clip,
         rollout_correction=RolloutCorrection(enabled=False),
     )
     ours_new, ours_entropy = new.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
@@ -122,7 +131,7 @@ def test_the_loss_and_its_gradient_are_the_formulas(
     loss.backward()
     theirs_new, theirs_entropy = new.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     expected = reference_loss(
-        theirs_new, old, advantages, mask, theirs_entropy, algorithm, aggregation, coefficient, reference, kl
+        theirs_new, old, advantages, mask, theirs_entropy, algorithm, aggregation, coefficient, reference, kl, dual_clip
     )
     expected.backward()
     assert abs(loss.item() - expected.item()) < 1e-6
@@ -191,12 +200,15 @@ def test_group_advantages_are_the_estimators_formulas(
 @given(
     rewards=st.lists(st.floats(-5, 5), min_size=2, max_size=10),
     lengths=st.lists(st.integers(0, 6), min_size=10, max_size=10),
+    offset=st.sampled_from([0.0, 1e5, -1e6]),
 )
 def test_reinforce_plus_plus_whitens_the_rewards_over_the_steps_tokens(
-    rewards: list[float], lengths: list[int]
+    rewards: list[float], lengths: list[int], offset: float
 ) -> None:
     """verl's masked_whiten of the returns: each token's return is its sequence's reward (one reward at the end,
-    no discount); mean and unbiased variance over every token."""
+    no discount); mean and unbiased variance over every token, also around a large reward (``offset``), against
+    torch's own float64 variance of every token's return."""
+    rewards = [offset + reward for reward in rewards]
     tokens = torch.tensor(lengths[: len(rewards)], dtype=torch.float64)
     values = torch.repeat_interleave(torch.tensor(rewards, dtype=torch.float64), tokens.long())
     found = whitened_rewards(torch.tensor(rewards, dtype=torch.float64), tokens, torch.device("cpu"))
@@ -204,3 +216,46 @@ def test_reinforce_plus_plus_whitens_the_rewards_over_the_steps_tokens(
         return
     expected = (torch.tensor(rewards, dtype=torch.float64) - values.mean()) * torch.rsqrt(values.var() + 1e-8)
     torch.testing.assert_close(found, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reinforce_plus_plus_keeps_a_small_spread_around_a_large_reward() -> None:
+    """Issue 46 item 5: the one-pass variance (mean of squares minus square of the mean) gave [1e5, 1e5 + 1e-3]
+    advantages of +-5.0; the exact ones, 100 tokens each, are +-0.978."""
+    rewards = torch.tensor([1e5, 1e5 + 1e-3], dtype=torch.float64)
+    found = whitened_rewards(rewards, torch.tensor([100.0, 100.0], dtype=torch.float64), torch.device("cpu"))
+    spread = 5e-4 * math.sqrt(200 / 199)  # the unbiased standard deviation over the 200 tokens
+    exact = 5e-4 / math.sqrt(spread**2 + 1e-8)
+    assert found.tolist() == [pytest.approx(-exact, rel=1e-6), pytest.approx(exact, rel=1e-6)]
+    assert abs(exact - 0.978) < 1e-3
+
+
+def test_a_group_whose_rewards_are_all_equal_gets_exactly_no_advantage() -> None:
+    """Their mean can differ from them in the last bit (three 0.1s average to 0.10000000000000002), which gave grpo
+    advantages of 1e-11 where the API promises none."""
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.2, 0.3], dtype=torch.float64)
+    for estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO, AdvantageEstimator.RLOO):
+        found = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1]), estimator)
+        assert found[:3].tolist() == [0.0, 0.0, 0.0], estimator
+        assert found[3:].abs().min() > 0
+
+
+def test_dual_clip_bounds_a_negative_advantages_term_at_c_times_it_with_no_gradient() -> None:
+    """Issue 46 item 6: verl's dual-clip (clip_ratio_c, 3 in its vanilla loss): a ratio of 5 on a token with A = -1
+    gives the term 3 A, not 5 A; a positive advantage, or a ratio within c, is the single clip's."""
+    old = torch.zeros(3, 1, dtype=torch.float64)
+    new = torch.tensor([[math.log(5.0)], [math.log(5.0)], [math.log(2.0)]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(3, 1, dtype=torch.float64)
+    terms = {}
+    for c in (None, 3.0):
+        objective = Objective(
+            algorithm=Algorithm.PPO, dual_clip_ratio=c, rollout_correction=RolloutCorrection(enabled=False)
+        )
+        loss, statistics = policy_loss(Batch(new, old, old, advantages, mask), objective)
+        (gradient,) = torch.autograd.grad(loss, new)
+        terms[c] = (-3 * loss.item(), gradient[:, 0].tolist(), statistics.metrics().get("pg_clipfrac_lower"))
+    # single clip: -5 (A < 0, unclipped below), 1.28 (clipped above), -2
+    assert terms[None][0] == pytest.approx(-5 + 1.28 - 2) and terms[None][2] is None
+    assert terms[3.0][0] == pytest.approx(-3 + 1.28 - 2) and terms[3.0][2] == pytest.approx(1 / 3)
+    assert terms[3.0][1][0] == 0.0 and terms[None][1][0] != 0.0, "the bounded term has no gradient"
+    assert terms[3.0][1][1:] == terms[None][1][1:]

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from lockstep.api import Objective, OptimizerSettings
-from lockstep_workers.trainer.optimization import adamw, clip_gradients, learning_rate_factor, scheduler
+from lockstep.reconcile.restarts import TERMINATION_MESSAGE_CHARACTERS
+from lockstep_workers.trainer.optimization import (
+    MAX_SKIPPED_STEPS_IN_A_ROW,
+    NonFiniteGradients,
+    SkippedSteps,
+    adamw,
+    clip_gradients,
+    learning_rate_factor,
+    scheduler,
+)
 
 
 @pytest.mark.parametrize(
@@ -71,3 +80,26 @@ def test_the_gradient_norm_is_measured_before_clipping_over_the_parameters_that_
     assert math.hypot(*trains.grad.tolist(), *other.grad.tolist()) == pytest.approx(1.0, rel=1e-5)
     assert clip_gradients([trains, other], max_norm=2.0) == pytest.approx(1.0, rel=1e-5), "under the bound: kept"
     assert trains.grad.tolist() == pytest.approx([0.6, 0.0], rel=1e-5)
+
+
+def test_an_infinite_gradient_is_not_clipped_into_nan() -> None:
+    weights = torch.nn.Parameter(torch.zeros(2))
+    weights.grad = torch.tensor([math.inf, 1.0])
+    assert clip_gradients([weights], max_norm=1.0) == math.inf
+    assert weights.grad.tolist() == [math.inf, 1.0], "left for the skip, not scaled by 0 into NaN"
+
+
+def test_steps_with_a_gradient_norm_that_is_not_finite_are_skipped_and_too_many_in_a_row_stop_the_trainer() -> None:
+    """Issue 46 item 5: a finite step resets the count; the limit'th non-finite step in a row raises, with a message
+    the operator quotes whole (the traceback's last line, the termination message's last 400 characters)."""
+    skipped = SkippedSteps()
+    assert skipped.allows(3.0)
+    for _ in range(MAX_SKIPPED_STEPS_IN_A_ROW - 1):
+        assert not skipped.allows(math.nan)
+    assert skipped.allows(0.5) and skipped.in_a_row == 0, "a finite step starts the count again"
+    for _ in range(MAX_SKIPPED_STEPS_IN_A_ROW - 1):
+        assert not skipped.allows(math.inf)
+    with pytest.raises(NonFiniteGradients, match=r"5 optimiser steps in a row had gradient norm inf") as stopped:
+        skipped.allows(math.inf)
+    line = f"{NonFiniteGradients.__module__}.{NonFiniteGradients.__name__}: {stopped.value}"
+    assert "\n" not in line and len(line) <= TERMINATION_MESSAGE_CHARACTERS, len(line)

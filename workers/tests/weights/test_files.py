@@ -157,6 +157,45 @@ def test_a_header_and_its_data_must_agree_and_align(tmp_path: Path) -> None:
     assert newest_version(tmp_path) is None, "no partial version counts"
 
 
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [
+        (torch.float32, float("nan")),
+        (torch.float32, float("inf")),
+        (torch.bfloat16, float("-inf")),
+        (torch.float8_e4m3fn, float("nan")),  # no infinity in it
+    ],
+)
+def test_a_publish_refuses_a_tensor_that_is_not_finite_naming_it_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, value: float
+) -> None:
+    """Issue 46 item 5: a NaN or an infinity, also in the last slice of a tensor checked in slices, stops the publish
+    before its bytes are written; neither the version nor its temporary file is left."""
+    monkeypatch.setattr(weights, "FINITE_CHECK_ELEMENTS", 4)
+    poisoned = torch.zeros(3, 5)
+    poisoned[2, 4] = value
+    tensors = {"model.norm.weight": torch.ones(5), "lm_head.weight": poisoned.to(dtype), "ids": torch.arange(3)}
+    with pytest.raises(weights.NonFiniteWeights, match=r"tensor lm_head.weight holds NaN or infinite values"):
+        publish(tensors, tmp_path, version=4)
+    assert list(tmp_path.iterdir()) == []
+    publish({**tensors, "lm_head.weight": torch.zeros(3, 5).to(dtype)}, tmp_path, version=4)
+    assert weights.non_finite_tensors(version_path(tmp_path, 4)) == []
+
+
+def test_finite_values_whose_sum_overflows_are_finite() -> None:
+    assert weights.finite(torch.full((4,), 3e38)) and weights.finite(torch.full((4,), 3e38).to(torch.bfloat16))
+    assert not weights.finite(torch.tensor([3e38, 3e38, float("nan")]))
+    assert weights.finite(torch.arange(3)) and weights.finite(torch.empty(0))
+
+
+def test_the_tensors_of_a_file_that_are_not_finite_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "v.safetensors"
+    save_file({"a": torch.tensor([1.0, float("-inf")]), "b": torch.ones(2), "c": torch.tensor([float("nan")])}, path)
+    assert weights.non_finite_tensors(path) == ["a", "c"]
+
+
 def test_a_version_is_on_disk_before_its_name_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The file is flushed and fsynced under its hidden name, renamed, then its directory fsynced, all before
     publish returns what to announce."""
