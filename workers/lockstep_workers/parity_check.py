@@ -513,6 +513,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         import yaml
 
         policy = ParityPolicy.model_validate(yaml.safe_load(options.policy.read_text()))
+    engine = VllmSettings(
+        dtype=DType(options.dtype),
+        enforce_eager=True,
+        max_model_len=512,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+    )
+    listed = configurations(policy, engine)
+    if unmatched := [text for text in options.only or [] if not any(text in c.name for c in listed)]:
+        parser.error(f"--only {unmatched}: no configuration's name contains it; they are {[c.name for c in listed]}")
+    chosen = [c for c in listed if not options.only or any(text in c.name for text in options.only)]
     model = options.model
     if model is None:
         from lockstep_workers.tiny_model import create_tiny_llama
@@ -521,13 +531,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info(
             "a tiny random Llama (%s, lm_head x%g for peaky logits) in %s", options.dtype, options.head_scale, model
         )
-    engine = VllmSettings(
-        dtype=DType(options.dtype),
-        enforce_eager=True,
-        max_model_len=512,
-        gpu_memory_utilization=options.gpu_memory_utilization,
-    )
-    chosen = [c for c in configurations(policy, engine) if not options.only or any(t in c.name for t in options.only)]
     results = measure(chosen, model, options.out, workload)
     table = Table(title=f"train-inference mismatch, {model} (temperature {workload.temperature}, ε {workload.epsilon})")
     for title, _, _ in COLUMNS:

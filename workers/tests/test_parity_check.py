@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from lockstep import environment
-from lockstep.api import DType, LoraSettings, MismatchBudget, VllmSettings
+from lockstep.api import DType, LoraSettings, MismatchBudget, PauseMode, VllmSettings, WeightUpdateSemantics
 from lockstep.parity import default_policy
 from lockstep.podconfig import PodConfig
 from lockstep_workers import parity_check
@@ -102,15 +102,74 @@ def test_a_random_adapter_is_non_zero_on_every_linear_module_of_the_layers(tmp_p
     assert all(again[n].equal(t) for n, t in tensors.items()), "seeded"
 
 
+LADDER = ["vLLM V1 defaults", "+ processed logprobs", "+ explicit runtime defaults", "+ pause keep, clear_cache=False"]
+
+
+def test_the_parity_check_adds_each_fix_on_top_of_the_ones_before_and_ends_on_the_locked_policy() -> None:
+    """The configurations of the documented table (docs/parity.md), in order: each rung of the ladder changes only
+    its fix, the last rung ("+ fp32 lm_head") is the default policy's settings (so its row ties the locked one), and
+    the refused, fp32 and LoRA rows vary the locked configuration alone."""
+    policy = default_policy()
+    listed = configurations(policy, VllmSettings(dtype=DType.BFLOAT16))
+    by_name = {c.name: c for c in listed}
+    assert [c.name for c in listed] == [
+        *LADDER,
+        "+ fp32 lm_head",
+        "locked (default)",
+        "locked + prefix caching",
+        "locked (default), fp32 model",
+        "locked (default) + LoRA r16",
+    ]
+    fixes = {
+        "+ processed logprobs": {"logprobs_mode"},
+        "+ explicit runtime defaults": {"enable_prefix_caching", "async_scheduling", "disable_cascade_attn"},
+        "+ pause keep, clear_cache=False": set(),
+        "+ fp32 lm_head": {"hf_overrides"},
+    }
+    for earlier, later in itertools.pairwise([*LADDER, "+ fp32 lm_head"]):
+        before, after = by_name[earlier].vllm.model_dump(), by_name[later].vllm.model_dump()
+        assert {key for key in after if after[key] != before[key]} == fixes[later], later
+    assert by_name["vLLM V1 defaults"].update == WeightUpdateSemantics(pause_mode=PauseMode.ABORT, clear_cache=True)
+    assert by_name["+ pause keep, clear_cache=False"].update == WeightUpdateSemantics(
+        pause_mode=PauseMode.KEEP, clear_cache=False
+    )
+    assert not any(by_name[name].fp32_head for name in LADDER) and by_name["+ fp32 lm_head"].fp32_head
+    top, locked = by_name["+ fp32 lm_head"], by_name["locked (default)"]
+    assert (top.vllm, top.fp32_head, top.update) == (locked.vllm, locked.fp32_head, locked.update)
+    stale = by_name["locked + prefix caching"]
+    assert stale.vllm == locked.vllm.model_copy(update={"enable_prefix_caching": True}) and stale.refused
+    assert by_name["locked (default), fp32 model"].vllm == locked.vllm.model_copy(update={"dtype": DType.FLOAT32})
+
+
+def test_an_only_that_names_no_configuration_stops_the_parity_check_before_any_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        parity_check.main(["--out", str(tmp_path), "--only", "locked", "--only", "+ fp16 lm_head"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "--only ['+ fp16 lm_head']: no configuration's name contains it" in error and "'+ fp32 lm_head'" in error
+    assert not any(tmp_path.iterdir()), "no model made, nothing measured"
+
+
+MEASURED = ["vLLM V1 defaults", "+ processed logprobs", "locked"]
+"""What the CLI's test runs (``--only``, by name): the defaults, the first fix, and every locked row (the locked
+configuration, the refused prefix caching, fp32 on both sides, a LoRA adapter). The other three rungs of the ladder
+are the benchmark's (docs/parity.md's table, ``lockstep parity-check`` with no ``--only``): on a single batch they
+equal the row before them, and the last one's settings are the locked configuration's (the test above)."""
+
+
 @pytest.mark.vllm
-@pytest.mark.timeout(900)  # nine engine starts: 9 minutes with the 2 cores shared by other work (load 6-7)
+@pytest.mark.timeout(900)  # six engine starts: about 6 minutes with the 2 cores shared by other work (load 6-7)
 def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(tmp_path: Path) -> None:
-    """Every configuration, each an engine of its own, on the default workload (the documented table's): the fixes,
-    the stale-KV trap, the locked configuration closest; with a rank-16 adapter, vLLM's LoRA kernels within the
-    default budget of PEFT's forward on batch and topP under adapter 1 and the shared prefix after an in-flight
-    update to adapter 2, the adapters moving the trainer's logprobs far more than vLLM's are from them."""
+    """Six configurations, each an engine of its own, on the default workload (the documented table's): raw
+    logprobs the largest gap, the stale-KV trap, the locked configuration closest, fp32 leaving numerics alone; with a
+    rank-16 adapter, vLLM's LoRA kernels within the default budget of PEFT's forward on batch and topP under adapter
+    1 and the shared prefix after an in-flight update to adapter 2, the adapters moving the trainer's logprobs far
+    more than vLLM's are from them."""
+    chosen = [argument for text in MEASURED for argument in ("--only", text)]
     run = subprocess.run(
-        [str(Path(sys.executable).with_name("lockstep")), "parity-check", "--out", str(tmp_path)],
+        [str(Path(sys.executable).with_name("lockstep")), "parity-check", "--out", str(tmp_path), *chosen],
         capture_output=True,
         text=True,
         timeout=840,
@@ -119,16 +178,22 @@ def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(t
     assert run.returncode == 0, "\n".join(causes[-15:]) or run.stderr[-3000:]
     assert "train-inference mismatch" in run.stdout and (tmp_path / "parity.png").stat().st_size > 0
     results = {c["name"]: c for c in json.loads((tmp_path / "parity.json").read_text())["configurations"]}
+    locked = "locked (default)"
+    assert list(results) == [
+        "vLLM V1 defaults",
+        "+ processed logprobs",
+        locked,
+        "locked + prefix caching",
+        f"{locked}, fp32 model",
+        f"{locked} + LoRA r16",
+    ]
     batch = {name: c["batch"] for name, c in results.items()}
-    progressive = [name for name in results if name == "vLLM V1 defaults" or name.startswith("+ ")]
-    drops = {
-        later: batch[earlier]["meanAbsDiff"] - batch[later]["meanAbsDiff"]
-        for earlier, later in itertools.pairwise(progressive)
-    }
-    assert max(drops, key=lambda name: drops[name]) == "+ processed logprobs", "raw vs processed is the largest gap"
-    assert batch["vLLM V1 defaults"]["clipFraction"] > 5 * batch["+ processed logprobs"]["clipFraction"]
+    raw, processed = batch["vLLM V1 defaults"], batch["+ processed logprobs"]
+    assert raw["meanAbsDiff"] - processed["meanAbsDiff"] > processed["meanAbsDiff"] - batch[locked]["meanAbsDiff"], (
+        "raw vs processed is the largest gap: larger than what the other three fixes together take off"
+    )
+    assert raw["clipFraction"] > 5 * processed["clipFraction"]
 
-    locked = next(name for name in results if name.startswith("locked (") and not name.endswith("fp32 model"))
     stale = results["locked + prefix caching"]
     assert stale["refusedByPolicy"] and "clearCache" in stale["refusedByPolicy"]
     assert stale["sharedPrefix"]["meanAbsDiff"] > 10 * results[locked]["sharedPrefix"]["meanAbsDiff"], (
@@ -137,14 +202,14 @@ def test_parity_check_reproduces_the_fixes_and_ranks_the_locked_policy_closest(t
 
     same_dtype = [name for name in results if not name.endswith("fp32 model") and results[name]["lora"] is None]
     closest = min(batch[name]["meanAbsDiff"] for name in same_dtype)
-    # "+ fp32 lm_head" has the same settings as the default policy: a tie, up to run-to-run noise.
+    # "locked + prefix caching" samples a single batch as the locked configuration does: a tie, up to noise.
     assert batch[locked]["meanAbsDiff"] <= closest * 1.001, "the locked configuration is the closest to the trainer"
     fp32 = batch[f"{locked}, fp32 model"]
     assert fp32["meanAbsDiff"] < min(1e-4, batch[locked]["meanAbsDiff"] / 100), "what is left in bf16 is numerics"
     assert all("outsideTopP" in c["topP"] for c in results.values()), "tokens outside top-p are counted apart"
 
-    [with_lora] = [c for c in results.values() if c["lora"] is not None]
-    assert with_lora["name"] == f"{locked} + LoRA r16" and with_lora["lora"]["rank"] == 16
+    with_lora = results[f"{locked} + LoRA r16"]
+    assert with_lora["lora"]["rank"] == 16
     budget = MismatchBudget().mean_abs_logprob_diff
     for name in ("batch", "topP", "sharedPrefix"):
         mismatch, effect = with_lora[name], with_lora["adapterEffect"][name]
