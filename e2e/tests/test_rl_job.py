@@ -41,7 +41,11 @@ from lockstep_workers.weights.files import publish, weights_directory
 # Each test runs an RL job (run_tiny_rl_job gives up after 540 s, with every pod's log, before pytest's 600).
 pytestmark = [pytest.mark.cluster, pytest.mark.vllm, pytest.mark.usefixtures("lockstep"), pytest.mark.timeout(600)]
 
-STEPS = 16
+STEPS = 6
+"""The in-flight job's steps: every step is a weight update in flight (maxLag 1) and a measurement of the on-policy
+mismatch; six hold every barrier, metric and status it checks. That the steps learn is not its to show: the reward
+rises over 25 steps in process (trainer/test_loop.py's test_reward_rises_on_the_tiny_task), over the lost-rank job's 12
+here, and on the real model in the demo (docs/demo.md)."""
 FP32_MISMATCH = 1e-4
 """The most mean |Δlogprob| a tiny job shows on on-policy tokens: fp32 on both sides leaves kernel numerics only
 (about 1e-7 here), far under the default budget, which is sized for bf16 (docs/parity.md)."""
@@ -74,7 +78,7 @@ def worst_onpolicy_mismatch(result: RunResult) -> float:
     return max(r["onpolicy_mean_abs_logprob_diff"] for r in result.steps)
 
 
-def test_an_rl_job_learns_with_in_flight_weight_updates(
+def test_an_rl_job_trains_with_in_flight_weight_updates(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path, operator_metrics_port: int
 ) -> None:
     result = run_tiny_rl_job(
@@ -91,11 +95,7 @@ def test_an_rl_job_learns_with_in_flight_weight_updates(
     assert any(line.startswith("  preflight: mean |Δlogprob| ") for line in shown), shown
     assert any(line.startswith("  trainer's last parity measurement: step ") for line in shown), shown
     assert [r["step"] for r in result.steps] == list(range(1, STEPS + 1))
-
-    rewards = [r["reward"] for r in result.steps]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    print(f"reward {first:.3f} over the first 3 steps -> {last:.3f} over the last 3; took {result.seconds:.0f}s")
-    assert last > first + 0.2, f"the reward did not rise: {rewards}"
+    print(f"took {result.seconds:.0f}s; rewards {[round(r['reward'], 3) for r in result.steps]}")
 
     assert status["weightsVersion"] == STEPS, "the trainer's last weights were committed"
     history = status["barrierHistory"]
