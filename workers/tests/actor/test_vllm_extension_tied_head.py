@@ -1,7 +1,8 @@
 """After an in-flight update, the actor computes with every tensor of the new version, the head tied to the
-embeddings included (a Hugging Face checkpoint of a tied model names only the embeddings); on a tiny tied Llama and
-on the real pretrained model (SmolLM2-135M-Instruct, lockstep_e2e.real_model). And the load check names a module
-whose derived copy vLLM did not refresh."""
+embeddings included (a Hugging Face checkpoint of a tied model names only the embeddings), on the real pretrained
+model (SmolLM2-135M-Instruct, lockstep_e2e.real_model); on a tiny tied Llama, test_server.py's in-flight update and
+weights/test_transfer.py's gloo update check the same. And the load check names a module whose derived copy vLLM did
+not refresh."""
 
 from __future__ import annotations
 
@@ -17,12 +18,8 @@ TEMPERATURE = 0.7
 PROMPT = [1, 10, 11, 12, 13]
 
 
-@pytest.fixture(scope="module", params=["tiny tied Llama", "SmolLM2-135M-Instruct"])
-def tied_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if request.param == "tiny tied Llama":
-        from lockstep_workers.tiny_model import create_tiny_llama
-
-        return create_tiny_llama(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True, head_scale=4.0)
+@pytest.fixture(scope="module")
+def tied_model() -> Path:
     from lockstep_e2e import real_model
 
     return real_model.ensure()
