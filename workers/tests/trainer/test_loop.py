@@ -61,6 +61,11 @@ from lockstep_workers.weights import lora
 from lockstep_workers.weights.files import StreamedPublish
 
 TEMPERATURE = 1.0
+RANKS = "forkserver"
+"""How the tests start trainer ranks: each forked from one server process that imported the trainer, transformers'
+modeling and this module once (multiprocessing's forkserver), rather than spawned as a fresh interpreter that imports
+them again (about 5 s a rank). Each rank is still a process of its own, as a pod's is."""
+mp.set_forkserver_preload(["lockstep_workers.trainer.loop", "transformers.models.llama.modeling_llama", __name__])
 
 
 def sample(model: torch.nn.Module, prompts: list[list[int]], group: int, length: int) -> list[Rollout]:
@@ -761,7 +766,7 @@ def run_trainer(
         )
     moe_layers = 2 if routing_replay else 0
     spawned = (world, port, str(model), str(shared), settings, vocabulary, recorded, None, config, moe_layers)
-    mp.spawn(_rank, args=spawned, nprocs=world)
+    mp.start_processes(_rank, args=spawned, nprocs=world, start_method=RANKS)
     return [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -878,7 +883,7 @@ def test_the_gathered_weights_are_a_snapshot_the_next_step_leaves_alone(tmp_path
     the next step's optimizer runs, so they must not change under it."""
     model = create_tiny_llama(tmp_path / "model")
     out = tmp_path / "results.pt"
-    mp.spawn(_gather_then_step, args=(str(model), str(out)), nprocs=1)
+    mp.start_processes(_gather_then_step, args=(str(model), str(out)), nprocs=1, start_method=RANKS)
     results = torch.load(out, weights_only=False)
     for name, tensor in results["gathered"].items():
         assert torch.equal(results["after"][name], tensor), name
@@ -931,7 +936,9 @@ def test_activation_checkpointing_recomputes_each_layer_and_learns_the_same(tmp_
     step ends on the same weights as without."""
     model = create_tiny_llama(tmp_path / "model")
     out = tmp_path / "results.pt"
-    mp.spawn(_learn_with_and_without_activation_checkpointing, args=(str(model), str(out)), nprocs=1)
+    mp.start_processes(
+        _learn_with_and_without_activation_checkpointing, args=(str(model), str(out)), nprocs=1, start_method=RANKS
+    )
     results = torch.load(out, weights_only=False)
     kept, recomputed = results[False], results[True]
     assert kept["calls"] > 0 and recomputed["calls"] == 2 * kept["calls"], (kept["calls"], recomputed["calls"])
@@ -1024,7 +1031,7 @@ def test_a_trainer_killed_with_rows_sampled_but_not_learned_resumes_without_skip
         port = probe.getsockname()[1]
     hold = 2 * settings.rollout.prompts_per_step + 2  # the 10th request: position 9, step 3's second group
     held = settings.model_copy(update={"steps": 4})
-    trainer = mp.get_context("spawn").Process(
+    trainer = mp.get_context(RANKS).Process(
         target=_rank, args=(0, 1, port, str(model), str(shared), held, size, None, hold)
     )
     trainer.start()
