@@ -116,7 +116,16 @@ def policies(kube: client.ApiClient, parity_admission: None) -> Iterator[PolicyF
         if routing_replay is not None:
             spec["routingReplay"] = routing_replay
         body = {"apiVersion": api.API_VERSION, "kind": "ParityPolicy", "metadata": {"name": name}, "spec": spec}
-        custom.create_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", body)
+
+        def created_now() -> bool:
+            return _admitted(
+                lambda: custom.create_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", body)
+            )
+
+        if demoted:  # the single-default policy reads its params from an informer: it refuses until it has seen
+            wait_for(created_now, f"{name} to be admitted once {demoted[-1]} is no longer the default")
+        else:
+            custom.create_cluster_custom_object(api.GROUP, api.VERSION, "paritypolicies", body)
         created.append(name)
         return name
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -154,7 +155,7 @@ async def refuse_broken_adapters(actor: Any, origin: Any, model: Any, directory:
     import torch
     from peft import get_peft_model_state_dict
 
-    from lockstep_workers.weights.files import publish
+    from lockstep_workers.weights.files import NonFiniteWeights, publish
     from lockstep_workers.weights.lora import adapter_metadata
 
     tensors = get_peft_model_state_dict(model)
@@ -162,8 +163,12 @@ async def refuse_broken_adapters(actor: Any, origin: Any, model: Any, directory:
     wide = {name: torch.cat([t, t], dim=1) if "lora_A" in name else t for name, t in tensors.items()}
     poisoned = {name: t.clone() for name, t in tensors.items()}
     next(iter(poisoned.values()))[0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeights):
+        publish(poisoned, directory, version=5, metadata=adapter_metadata(config))
     for version, broken, why in ((4, wide, "did not load the adapter of weights version 4"), (5, poisoned, "NaN")):
-        weights = publish(broken, directory, version=version, metadata=adapter_metadata(config))
+        # The trainer's publish refuses a NaN (above); the actor refuses one however the file was written.
+        with mock.patch("lockstep_workers.weights.files.finite", return_value=True):
+            weights = publish(broken, directory, version=version, metadata=adapter_metadata(config))
         for _attempt in range(2):
             with origin.read(weights) as verified, pytest.raises((RuntimeError, ValueError), match=why):
                 await actor.load(weights, verified)

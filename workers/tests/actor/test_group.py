@@ -74,7 +74,7 @@ def test_the_actor_runs_on_the_leader_only(monkeypatch: pytest.MonkeyPatch) -> N
     options = ActorArgs("/models/base", 8000, VllmSettings(), group)
     for name, value in LWS.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit, match=r"the group.s other pods run python -m lockstep_workers\.headless"):
+    with pytest.raises(SystemExit, match=r"the group.s other pods run python -m lockstep_workers\.actor\.headless"):
         leader_placement(options)
     monkeypatch.setenv(environment.GROUP_WORKER_INDEX, "0")
     assert leader_placement(options) == placement(group, Node(0, LWS[environment.GROUP_LEADER_ADDRESS]))

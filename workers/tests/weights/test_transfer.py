@@ -5,6 +5,7 @@ present)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,9 @@ def test_manifest_lists_the_published_tensors_and_refuses_another_version(tmp_pa
 )
 def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend: WeightSyncBackend) -> None:
     import torch
-    from test_actor import LONG_REQUEST, PROMPT, assert_spans_the_update, updated_model
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "actor"))  # the actor's tests' helpers, by file name
+    from test_server import LONG_REQUEST, PROMPT, assert_spans_the_update, updated_model
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lockstep_e2e.cluster import free_port
