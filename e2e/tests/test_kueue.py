@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from lockstep import desired, keys, kueue
+from lockstep.kubeclient import KubeClient
 from lockstep_e2e.cluster import LocalCluster
 from lockstep_e2e.fixtures import fresh_namespace, push_weights, wait_for
 from lockstep_e2e.install import install, start_operator
@@ -139,7 +141,11 @@ def complete(kube: client.ApiClient, namespace: str, name: str) -> None:
 
 
 def workload(kube: client.ApiClient, namespace: str, job: str) -> dict[str, Any]:
-    name = get_job(kube, namespace, job)["status"]["queue"]["workload"]
+    """The Workload the job's status names."""
+    return workload_named(kube, namespace, get_job(kube, namespace, job)["status"]["queue"]["workload"])
+
+
+def workload_named(kube: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     found: dict[str, Any] = client.CustomObjectsApi(kube).get_namespaced_custom_object(
         kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name
     )
@@ -361,3 +367,24 @@ def test_a_person_suspends_a_queued_job_by_hand_and_its_quota_goes_to_the_next(
     wait_phase(kube, namespace, "paused", "Queued")
     complete(kube, namespace, "next")
     wait_phase(kube, namespace, "paused", "Running")
+
+
+def test_a_workload_applied_onto_one_since_deleted_is_not_created_again(kube: client.ApiClient, namespace: str) -> None:
+    """What desired.onto relies on: a pass that read a Workload applies onto its uid, and once that Workload is
+    deleted the API server refuses the apply (409) instead of creating it again without the pass's knowing."""
+    pod_set = {"name": "main", "count": 1, "template": {"spec": {"containers": [{"name": "c", "image": "none"}]}}}
+    body = {
+        "apiVersion": kueue.API_VERSION,
+        "kind": kueue.WORKLOAD,
+        "metadata": {"name": "read-then-deleted", "namespace": namespace},
+        "spec": {"queueName": "none", "podSets": [pod_set]},
+    }
+    writes = KubeClient(kube)
+    writes.apply(body)
+    read = workload_named(kube, namespace, "read-then-deleted")
+    writes.delete_child(kueue.WORKLOAD, namespace, "read-then-deleted")
+    with pytest.raises(ApiException) as refused:
+        writes.apply(desired.onto(body, read))
+    assert refused.value.status == 409, refused.value.body
+    with pytest.raises(ApiException, match="Not Found"):
+        workload_named(kube, namespace, "read-then-deleted")

@@ -35,7 +35,8 @@ class ApplierClient(Protocol):
 
     def apply(self, child: dict[str, Any]) -> None:
         """Server-side apply of a child (ConfigMap, Service, ServiceAccount, Role, RoleBinding, NetworkPolicy,
-        Workload), forced, as the operator's field manager."""
+        Workload, LeaderWorkerSet), forced, as the operator's field manager; one that carries a uid only onto the
+        object of that uid (desired.onto)."""
         ...
 
     def delete_child(self, kind: str, namespace: str, name: str) -> None: ...
@@ -93,8 +94,9 @@ class Applied:
 
 @dataclass(frozen=True)
 class Conflict:
-    """The status write found the job changed since it was read (409): read it anew, one more pass, which writes
-    the status and posts the Events."""
+    """The status write found the job changed since it was read (409), or a child applied onto the object its pass
+    read (desired.onto) found that object deleted or made anew: read it anew, one more pass, which writes the status
+    and posts the Events."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,14 @@ class Applier:
             with self._guard:
                 self._children_deleted.discard(key)
             for child in plan.children:
-                refused.update(_refused(f"{child['kind']} {child['metadata']['name']}", self._client.apply, child))
+                what = f"{child['kind']} {child['metadata']['name']}"
+                try:
+                    self._client.apply(child)
+                except ApiException as error:
+                    if _changed_since_read(child, error):
+                        logger.info("%s of RLJob %s/%s changed since the pass read it: one more pass", what, *key)
+                        return Conflict()
+                    refused.update(_refusal(what, error))
             for kind, child_name in plan.remove_children:
                 self._client.delete_child(kind, namespace, child_name)
             with self._guard:
@@ -255,18 +264,17 @@ class Applier:
         return {}
 
 
-def _refused(what: str, call: Callable[..., Any], *args: Any) -> dict[str, str]:
-    """Call; when the API server refuses the object (400 or 422: invalid; 403: an admission policy, a quota),
-    ``{what: its message}``. An object that already exists (409) is fine; other errors raise."""
-    try:
-        call(*args)
-    except ApiException as error:
-        return _refusal(what, error)
-    return {}
+def _changed_since_read(child: dict[str, Any], error: ApiException) -> bool:
+    """Whether the API server refused ``child``, applied onto the object of the uid it carries, because that object
+    is gone (409) or another has its name now (422 on metadata.uid)."""
+    if "uid" not in child["metadata"]:
+        return False
+    return error.status == 409 or (error.status == 422 and "metadata.uid" in (error.body or ""))
 
 
 def _refusal(what: str, error: ApiException) -> dict[str, str]:
-    """``_refused``'s verdict on the API server's ``error``: {what: its message}, {} for 409, or raise it."""
+    """The verdict on the API server's ``error`` for ``what``: when it refuses the object (400 or 422: invalid; 403:
+    an admission policy, a quota), ``{what: its message}``; {} for 409 (it exists already); any other error raises."""
     if error.status == 409:
         return {}
     if error.status not in (400, 403, 422):

@@ -199,6 +199,15 @@ def services(job: JobRef) -> list[dict[str, Any]]:
     return [actors, trainer]
 
 
+def onto(child: dict[str, Any], observed: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``child`` as applied onto ``observed``, the object of its name its pass read (None: the pass read none): with
+    that object's uid, which the API server takes as a precondition, so that a pass computed before the object was
+    deleted (or made anew) never creates it again; the write is answered 409 (422 for another uid) instead."""
+    if observed is None:
+        return child
+    return {**child, "metadata": {**child["metadata"], "uid": observed["metadata"]["uid"]}}
+
+
 def network_policy_name(job: str) -> str:
     return f"{job}-isolation"
 

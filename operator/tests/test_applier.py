@@ -127,6 +127,32 @@ def test_a_child_deleted_while_its_pass_applies_them_is_applied_again_by_the_nex
     assert [call for call, _ in client.writes].count("apply") == 4
 
 
+def test_a_child_gone_since_its_pass_read_it_ends_the_pass_as_a_conflict() -> None:
+    """A child applied onto the object its pass read (its uid) that is gone meanwhile: nothing else of the plan is
+    written, and the next pass, on what it reads anew, applies the children again."""
+    applier, client, _ = setup(pod("demo", "demo-actor-0", 20))
+    read = {**child("Workload", "demo"), "metadata": {**child("Workload", "demo")["metadata"], "uid": "uid-w"}}
+    client.fail["apply", "Workload demo"] = refusal(409, 'uid mismatch: the provided object specified uid "uid-w"')
+    plan = a_plan(children=[read], delete_pods={"demo-actor-0": "drift"}, create_pods=[pod("demo", "p", 0)])
+    assert applier.apply(KEY, the_job(), plan) == Conflict()
+    assert client.writes == [("apply", "Workload demo")]
+    assert isinstance(applier.apply(KEY, the_job(), a_plan(children=[child("Workload", "demo")])), Applied)
+    assert client.writes[1] == ("apply", "Workload demo"), "applied again, though its pass had sent it"
+
+
+def test_a_child_another_of_its_name_replaced_ends_the_pass_as_a_conflict_not_a_refusal() -> None:
+    applier, client, _ = setup()
+    read = {
+        **child("LeaderWorkerSet", "demo"),
+        "metadata": {**child("LeaderWorkerSet", "demo")["metadata"], "uid": "u"},
+    }
+    client.fail["apply", "LeaderWorkerSet demo"] = refusal(422, "metadata.uid: Invalid value: field is immutable")
+    assert applier.apply(KEY, the_job(), a_plan(children=[read])) == Conflict()
+    client.fail["apply", "LeaderWorkerSet demo"] = refusal(422, "spec.replicas: must be greater than or equal to 0")
+    refused = applier.apply(KEY, the_job(), a_plan(children=[read]))
+    assert isinstance(refused, Rejected) and "spec.replicas" in refused.refused["LeaderWorkerSet demo"]
+
+
 def test_a_refused_child_creates_no_pod_and_writes_no_status() -> None:
     applier, client, _ = setup()
     client.fail["apply", "Role demo"] = refusal(422, 'Role.rbac "demo" is invalid')

@@ -49,7 +49,8 @@ def kueue_says(workload: dict[str, Any], *, admitted: bool = False, evicted: str
     """``workload`` as Kueue left it: admitted to flavor 'h200' (every resource of every pod set), or evicted
     with that reason while it still holds its quota, or waiting for quota."""
     conditions: list[dict[str, Any]] = []
-    body: dict[str, Any] = {**workload, "metadata": {**workload["metadata"], "resourceVersion": "7", "generation": 1}}
+    metadata = {**workload["metadata"], "uid": "uid-w", "resourceVersion": "7", "generation": 1}
+    body: dict[str, Any] = {**workload, "metadata": metadata}
     if admitted or evicted:
         condition(conditions, kueue.QUOTA_RESERVED, "True", "QuotaReserved")
         condition(conditions, kueue.ADMITTED, "True", "Admitted")
@@ -96,6 +97,7 @@ def test_an_admitted_job_runs_its_pods_on_the_admitted_flavor() -> None:
     workload = kueue_says(the_workload(plan_for(body, view_of(None))), admitted=True)
     plan = plan_for(body, view_of(workload))
     assert len(plan.create_pods) == 3
+    assert the_workload(plan)["metadata"]["uid"] == "uid-w", "applied only onto the Workload the pass read"
     for pod in plan.create_pods:
         assert pod["spec"]["nodeSelector"] == FLAVOR["nodeLabels"]
         assert pod["spec"]["tolerations"] == FLAVOR["tolerations"]
@@ -266,6 +268,7 @@ def test_a_workload_deleted_while_admitted_is_created_again_said_and_counted_as_
     name = admitted["metadata"]["name"]
     lost = plan_for(body, view_of(None), pods)
     assert the_workload(lost)["metadata"]["name"] == name, "created again"
+    assert "uid" not in the_workload(lost)["metadata"], "not onto the one deleted"
     assert set(lost.delete_pods) == {p["metadata"]["name"] for p in pods}
     assert all(f"Workload {name} was deleted" in why for why in lost.delete_pods.values())
     assert lost.status.replacements == len(pods) and lost.status.restarts == 0

@@ -206,7 +206,7 @@ def converge(run: Pass, config: EffectiveConfig, children: Children) -> dict[str
     if wait <= 0:
         run.plan.create_pods = [weights.with_committed_weights(run, children.desired.pods[n]) for n in children.missing]
         if children.desired.group_set is not None and not edits:  # LeaderWorkerSet creates the groups' pods
-            run.plan.children.append(children.desired.group_set)
+            run.plan.children.append(desired.onto(children.desired.group_set, run.observed.group_set))
     elif children.missing or replaced:
         run.requeue(wait)
     staying = {**children.pods, **children.groups}

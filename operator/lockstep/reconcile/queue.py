@@ -40,8 +40,8 @@ def admit(run: Pass, spec: RLJobSpec, pods: list[dict[str, Any]]) -> desired.Pla
         return None
     wanted = kueue.workload(run.job, queue, pods, active=not spec.suspend, priority=priority)
     name = wanted["metadata"]["name"]
-    run.plan.children.append(wanted)
     current = next((w for w in view.workloads if w["metadata"]["name"] == name), None)
+    run.plan.children.append(desired.onto(wanted, current))
     # Other pod sets than the admitted ones: the old Workload goes, and the new one waits for admission.
     run.plan.remove_children += [(kueue.WORKLOAD, w["metadata"]["name"]) for w in view.workloads if w is not current]
     queued = QueueStatus(local_queue=queue, workload=name)
