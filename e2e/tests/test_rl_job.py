@@ -86,8 +86,11 @@ def test_an_rl_job_trains_with_in_flight_weight_updates(
     )
     status = result.job["status"]
     assert status["phase"] == "Succeeded", status
-    assert status["preflight"]["meanAbsLogprobDiff"] < FP32_MISMATCH
-    assert status["preflight"]["sharedPrefixMeanAbsLogprobDiff"] < FP32_MISMATCH
+    preflight = status["preflight"]
+    assert preflight["meanAbsLogprobDiff"] < FP32_MISMATCH
+    assert preflight["sharedPrefixMeanAbsLogprobDiff"] < FP32_MISMATCH
+    assert preflight["satisfiedByConstruction"] == ["disableCascadeAttn"], "vLLM 0.32 no longer has cascade attention"
+    assert preflight["engineArgs"]["logprobs_mode"] == "processed_logprobs", preflight["engineArgs"]
     assert any(e.reason == "PreflightPassed" for e in events_for(kube, namespace, "tiny"))
     assert condition(result.job, "ParityDegraded")["reason"] == "WithinBudget"
     assert status["mismatch"]["step"] >= 1, "the trainer's live measurement reached the status"
@@ -379,29 +382,6 @@ def budget_policy(kube: client.ApiClient, namespace: str) -> Iterator[Callable[[
     yield create
     for name in created:
         custom.delete_cluster_custom_object(*POLICIES, name)
-
-
-def test_a_preflight_over_budget_stops_the_job_before_training(
-    cluster: LocalCluster,
-    kube: client.ApiClient,
-    namespace: str,
-    tmp_path: Path,
-    budget_policy: Callable[[float, str], str],
-) -> None:
-    strict = budget_policy(1e-12, "Warn")  # even fp32 on both sides differs by ~1e-7
-    result = run_tiny_rl_job(
-        cluster, kube, namespace, tmp_path, steps=2, preflight={"enabled": True}, parityPolicy=strict
-    )
-    assert result.job["status"]["phase"] == "Failed"
-    parity = condition(result.job, "ParityLocked")
-    assert parity["status"] == "False" and parity["reason"] == "MismatchBudgetExceeded"
-    assert "the preflight parity check is over budget: plain sampling's mean |Δlogprob|" in parity["message"]
-    assert "budget 1e-12" in parity["message"]
-    preflight = result.job["status"]["preflight"]
-    assert preflight["satisfiedByConstruction"] == ["disableCascadeAttn"], "vLLM 0.32 no longer has cascade attention"
-    assert preflight["engineArgs"]["logprobs_mode"] == "processed_logprobs", preflight["engineArgs"]
-    roles = {p.metadata.labels["lockstep.dev/role"] for p in job_pods(kube, namespace, "tiny")}
-    assert roles <= {"preflight"}, "no actor or trainer pod was ever created"
 
 
 def test_a_live_mismatch_over_budget_holds_weight_updates_until_raised_then_a_fail_budget_fails_the_job(
