@@ -129,7 +129,7 @@ def test_an_rl_job_trains_with_in_flight_weight_updates(
     assert used <= exported, f"the dashboard uses metrics nobody exports: {sorted(used - exported)}"
 
 
-def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
+def test_an_rl_job_on_a_dataset_with_an_actor_group_of_two_pods_evaluates_exports_and_traces(
     cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path, collector: Collector
 ) -> None:
     """The text task: the repository's jsonl dataset through the model's chat template, math_exact_match, an
@@ -137,7 +137,13 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
     is written to spec.output (every 3 steps and at the end), the run to TensorBoard and MLflow (spec.trainer.tracking),
     and a real OpenTelemetry Collector receives a trace of each weight update from the operator, with its member, and
     of each step from the trainer (the chart's operator.tracing.otlpEndpoint, which the operator passes on to the
-    trainer)."""
+    trainer).
+
+    Its actor is a group of two pods that LeaderWorkerSet creates (issue 36), one engine tensor parallel over them
+    (the leader's actor as node 0, vLLM's headless rank in the worker pod, each a process here). Every weight update
+    is a barrier of the group's leader, its one member, which loads the version on both ranks: the tokens the trainer
+    learns from stay on-policy to fp32 precision, which a rank left on old weights would break for half of every
+    layer."""
     models = tmp_path / "models"
     writes = {
         "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "DirectoryOrCreate"}}],
@@ -155,9 +161,16 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
         text=True,
         trainer=writes,
         output={"path": str(models), "everySteps": 3, "dtype": "float32"},
+        group={"pods": 2, "tensorParallelSize": 2},
     )
     status = result.job["status"]
     assert status["phase"] == "Succeeded", status
+    assert status["actorPods"]["desired"] == 2
+    worker = (tmp_path / "pods" / "tiny-actor-0-1.log").read_text()
+    assert "headless multiproc executor" in worker and "rank=1" in worker, worker[-2000:]
+    loaded = [u["version"] for u in result.updates["tiny-actor-0"]]
+    assert loaded == sorted(set(loaded)) and loaded[-1] == 6, f"the group's leader loaded {loaded}"
+    assert worst_onpolicy_mismatch(result) < FP32_MISMATCH
     assert [r["step"] for r in result.steps if EVAL in r] == [1, 6]
     assert all(r["eval_rows"] == text_task.EVAL_ROWS for r in result.steps if EVAL in r)
     assert all(r["reward_errors"] == 0 for r in result.steps)
@@ -213,31 +226,12 @@ def test_an_rl_job_trains_on_a_dataset_with_a_reward_on_text_and_evaluates(
     children = [s for s in collector.spans() if s.parent_id in {b.span_id for b in barriers}]
     assert {"lockstep.barrier.update", "lockstep.barrier.resume"} <= {s.name for s in children}, children
     members = [s for s in children if s.name == "lockstep.barrier.member"]
-    assert len(members) == len(barriers), "the one actor is one member of each update"
+    assert len(members) == len(barriers), "the group's leader is the one member of each update"
     assert {m.attributes["k8s.pod.name"] for m in members} == {"tiny-actor-0"}
     member_steps = {s.name for s in collector.spans() if s.parent_id in {m.span_id for m in members}}
     assert member_steps == {f"lockstep.barrier.member.{step}" for step in ("stage", "pause", "load", "resume")}
     assert versions(steps, "lockstep.step.number") == list(range(1, 7))
     assert {s.service for s in steps} == {"lockstep-trainer"}
-
-
-def test_an_rl_job_whose_actor_is_a_group_of_two_pods_updates_every_rank_of_its_engine(
-    cluster: LocalCluster, kube: client.ApiClient, namespace: str, tmp_path: Path
-) -> None:
-    """Issue 36: the actor is a group of two pods that LeaderWorkerSet creates, one engine tensor parallel over them
-    (the leader's actor as node 0, vLLM's headless rank in the worker pod, each a process here). Every weight update
-    is a barrier of the group's leader, which loads the version on both ranks: the tokens the trainer learns from
-    stay on-policy to fp32 precision, which a rank left on old weights would break for half of every layer."""
-    result = run_tiny_rl_job(
-        cluster, kube, namespace, tmp_path, steps=3, actors=1, trainers=1, group={"pods": 2, "tensorParallelSize": 2}
-    )
-    status = result.job["status"]
-    assert status["phase"] == "Succeeded", status
-    assert status["actorPods"]["desired"] == 2
-    worker = (tmp_path / "pods" / "tiny-actor-0-1.log").read_text()
-    assert "headless multiproc executor" in worker and "rank=1" in worker, worker[-2000:]
-    assert [u["version"] for u in result.updates["tiny-actor-0"]] == [1, 2, 3], "the group's leader loaded each one"
-    assert worst_onpolicy_mismatch(result) < FP32_MISMATCH
 
 
 def test_over_gloo_a_sender_killed_as_it_sends_is_replaced_and_the_update_retried(
