@@ -1,6 +1,6 @@
 """The barrier protocol's wire documents (docs/barrier-protocol.md): what the operator, the trainer and
-each pod's agent write in pod annotations, and how to write and read them. The operator and the agent
-both import this module, and nothing else of each other's.
+each pod's agent write in pod annotations, and how to write and read them; and the one exit code of the trainer
+the operator reads. The operator and the agent both import this module, and nothing else of each other's.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ Fraction = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1)]
 Magnitude = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
 """A finite number from 0 up: a mean of absolute values, which a budget holds from above (a negative one would
 read as within any budget)."""
+
+TRAINER_GAVE_UP_EXIT_CODE = 3
+"""The trainer's exit code when no restart can help: its optimiser steps had a gradient norm that is not finite too
+many times in a row (NonFiniteGradients), and a restart would resume from the same committed weights. The operator
+fails the job at once, quoting the trainer's termination message, rather than spend spec.maxRestarts on it (what a
+Kubernetes Job's podFailurePolicy does with an onExitCodes rule whose action is FailJob)."""
 
 PROTOCOL = 2
 """Version of the barrier protocol; every annotation document carries it. 2: a barrier opens in Update (pause,

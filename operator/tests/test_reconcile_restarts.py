@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from factories import NOW, REWARD, job, running
+from lockstep import protocol
 from lockstep.api import Phase
 from lockstep.conditions import READY, find
 from lockstep.reconcile import restart_backoff_seconds
@@ -69,6 +71,31 @@ def test_a_lost_trainer_rank_restarts_every_rank_and_no_actor() -> None:
     assert set(plan.delete_pods) == {"demo-trainer-0", "demo-trainer-1"}
     assert "the ranks restart together" in plan.delete_pods["demo-trainer-0"]
     assert plan.status.restarts == 1
+
+
+GAVE_UP = "NonFiniteGradients: 5 optimiser steps in a row had gradient norm nan; each was skipped, no weight changed"
+
+
+def gave_up(pods: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """``pods`` with pod ``name`` failed with the trainer's exit code for a failure no restart can help."""
+    exited = {"exitCode": protocol.TRAINER_GAVE_UP_EXIT_CODE, "message": f"{GAVE_UP}\n"}
+    failed = [running(p, phase="Failed", ready=False) if p["metadata"]["name"] == name else p for p in pods]
+    for pod in failed:
+        if pod["metadata"]["name"] == name:
+            pod["status"]["containerStatuses"] = [{"name": "c", "state": {"terminated": exited}}]
+    return failed
+
+
+def test_a_trainer_that_gave_up_fails_the_job_at_once_quoting_why() -> None:
+    """Its gradients stayed non-finite: a restart would resume from the same weights, so no restart is spent."""
+    body, pods = settle(job(maxRestarts=3))
+    stopped = plan_for(body, gave_up(pods, "demo-trainer-0"))
+    assert stopped.status.phase is Phase.FAILED and stopped.status.restarts == 0
+    ready = find(stopped.status.conditions, READY)
+    assert ready is not None and ready.reason == "TrainerGaveUp"
+    assert f"trainer pod demo-trainer-0 stopped for good ({GAVE_UP})" in ready.message
+    restarted = plan_for(body, gave_up(pods, "demo-actor-0"))
+    assert restarted.status.phase is not Phase.FAILED and restarted.status.restarts == 1, "only the trainer's code"
 
 
 def test_a_trainer_that_stops_on_its_dataset_says_why_in_the_ready_condition() -> None:

@@ -21,6 +21,7 @@ class Reason(StrEnum):
     POD_NAME_TAKEN = "PodNameTaken"
     QUOTA_EXCEEDED = "QuotaExceeded"
     RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
+    TRAINER_GAVE_UP = "TrainerGaveUp"
     WEIGHT_UPDATE_FAILED = "WeightUpdateFailed"
     WEIGHT_UPDATE_STALLED = "WeightUpdateStalled"
     PREFLIGHT_FAILED = "PreflightFailed"
@@ -83,6 +84,7 @@ STALLED = frozenset(
         Reason.AMBIGUOUS_DEFAULT_POLICY,
         Reason.POLICY_NOT_APPLICABLE,
         Reason.RESTART_LIMIT_EXCEEDED,
+        Reason.TRAINER_GAVE_UP,
         Reason.WEIGHT_UPDATE_FAILED,
         Reason.WEIGHT_UPDATE_STALLED,
         Reason.MISMATCH_BUDGET_EXCEEDED,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lockstep import keys
+from lockstep import keys, protocol
 from lockstep.api import Phase, RLJobSpec
 from lockstep.conditions import READY
 from lockstep.reconcile import completion
@@ -36,6 +36,15 @@ def count_losses(run: Pass, spec: RLJobSpec, children: Children) -> Next:
     run.status.restarting = [name for name in run.status.restarting if name in children.desired.pods]
     for name in children.failed:
         run.plan.delete_pods[name] = "it failed"
+    gave_up = [name for name in children.failed if exit_code(run.pods[name]) == protocol.TRAINER_GAVE_UP_EXIT_CODE]
+    if gave_up and role(run.pods[gave_up[0]]) == keys.TRAINER:
+        why = termination_message(run.pods[gave_up[0]]) or "it left no termination message"
+        verdict = (
+            f"trainer pod {gave_up[0]} stopped for good ({why}): a restart would resume from the same committed "
+            "weights, so the job fails without spending spec.maxRestarts"
+        )
+        completion.finish_job(run, spec, Phase.FAILED, Reason.TRAINER_GAVE_UP, verdict)
+        return Next.DONE
     lost = children.failed + children.vanished
     if not lost:
         return Next.CONTINUE
@@ -75,11 +84,21 @@ TERMINATION_MESSAGE_CHARACTERS = 400
 
 def termination_message(pod: dict[str, Any]) -> str | None:
     """The last line of the termination message of the pod's failed container, if it left one."""
-    for container in pod.get("status", {}).get("containerStatuses") or []:
-        message = ((container.get("state") or {}).get("terminated") or {}).get("message") or ""
-        if lines := message.strip().splitlines():
+    for terminated in _terminated(pod):
+        if lines := (terminated.get("message") or "").strip().splitlines():
             return lines[-1][-TERMINATION_MESSAGE_CHARACTERS:]
     return None
+
+
+def exit_code(pod: dict[str, Any]) -> int | None:
+    """The exit code of the pod's first terminated container, if one terminated."""
+    return next((terminated.get("exitCode") for terminated in _terminated(pod)), None)
+
+
+def _terminated(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The terminated states of the pod's containers, in their order."""
+    states = [container.get("state") or {} for container in pod.get("status", {}).get("containerStatuses") or []]
+    return [state["terminated"] for state in states if state.get("terminated")]
 
 
 def backoff_remaining(run: Pass) -> float:

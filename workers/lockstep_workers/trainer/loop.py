@@ -44,7 +44,7 @@ import torch.distributed as dist
 from opentelemetry.trace import Tracer
 from prometheus_client import start_http_server
 
-from lockstep import environment, tracing
+from lockstep import environment, protocol, tracing
 from lockstep.api import MismatchBudget, Training
 from lockstep.protocol import Weights
 from lockstep_workers.rollout.client import Actors, ActorService, discovery
@@ -510,10 +510,20 @@ def main() -> None:
     settings = env.config.training
     function = load_rollout_function(settings.rollout.function)
     actors = ActorService(discovery(env.actors_service, env.namespace, env.actors), function=function)
+    run_saying_why_it_stops(functools.partial(train, options.model, settings, env, actors))
+
+
+def run_saying_why_it_stops(work: Callable[[], None], path: Path = TERMINATION_LOG) -> None:
+    """Run ``work`` (the training). When it fails, why goes to the termination message at ``path``; a failure no
+    restart can help (NonFiniteGradients) exits with protocol.TRAINER_GAVE_UP_EXIT_CODE, which fails the job."""
     try:
-        train(options.model, settings, env, actors)
+        work()
+    except optimization.NonFiniteGradients as error:
+        write_termination_message(error, path)
+        logger.error("the trainer stops for good, the job with it: %s", error)
+        raise SystemExit(protocol.TRAINER_GAVE_UP_EXIT_CODE) from error
     except (Exception, SystemExit) as error:
-        write_termination_message(error)
+        write_termination_message(error, path)
         raise
 
 

@@ -431,6 +431,30 @@ def test_why_the_trainer_stops_is_its_termination_message_which_the_job_conditio
     assert not (tmp_path / "absent").exists(), "written only where the kubelet mounted the file"
 
 
+def test_a_trainer_stopped_by_non_finite_gradients_exits_with_the_code_that_fails_the_job(tmp_path: Path) -> None:
+    from lockstep.protocol import TRAINER_GAVE_UP_EXIT_CODE
+    from lockstep_workers.trainer.loop import run_saying_why_it_stops
+
+    mounted = tmp_path / "termination-log"
+    mounted.touch()
+
+    def diverging() -> None:
+        SkippedSteps(limit=1).allows(math.inf)
+
+    with pytest.raises(SystemExit) as stopped:
+        run_saying_why_it_stops(diverging, mounted)
+    assert stopped.value.code == TRAINER_GAVE_UP_EXIT_CODE
+    assert "NonFiniteGradients: 1 optimiser steps in a row had gradient norm inf" in mounted.read_text()
+
+    def refusing() -> None:
+        raise SystemExit("spec.trainer.dataset: no such file")
+
+    with pytest.raises(SystemExit) as refused:
+        run_saying_why_it_stops(refusing, mounted)
+    assert refused.value.code == "spec.trainer.dataset: no such file", "any other failure is restarted as before"
+    assert mounted.read_text() == "spec.trainer.dataset: no such file\n"
+
+
 def test_tokens_the_environment_inserted_stay_out_of_the_loss(tmp_path: Path) -> None:
     """Two copies of a batch whose environment tokens carry different rollout logprobs train alike; without the
     mask the difference would reach the loss (through the importance weights)."""
