@@ -171,28 +171,31 @@ def routing_replay_validations() -> list[dict[str, str]]:
     ]
 
 
-def _with_policies(name: str, resource: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """A ValidatingAdmissionPolicy on CREATE and UPDATE of lockstep.dev ``resource``, with every ParityPolicy as
-    its parameter (see ``binding``); ``spec`` adds its matchConditions, variables and validations."""
-    rules = [
-        {
-            "apiGroups": [api.GROUP],
-            "apiVersions": [api.VERSION],
-            "operations": ["CREATE", "UPDATE"],
-            "resources": [resource],
-        }
-    ]
+def _rule(group: str, resources: list[str], operations: tuple[str, ...], version: str = "v1") -> dict[str, Any]:
+    """A resource rule of a policy's matchConstraints: ``operations`` on ``resources`` of API ``group``."""
+    return {"apiGroups": [group], "apiVersions": [version], "operations": list(operations), "resources": resources}
+
+
+def _validating_policy(
+    name: str, rules: list[dict[str, Any]], spec: dict[str, Any], *, parity_policies: bool = False
+) -> dict[str, Any]:
+    """A ValidatingAdmissionPolicy ``name`` that fails closed, on the requests ``rules`` match; ``spec`` adds its
+    matchConditions, variables and validations. ``parity_policies``: every ParityPolicy is its parameter (see
+    ``binding``)."""
+    params = {"paramKind": {"apiVersion": api.API_VERSION, "kind": "ParityPolicy"}} if parity_policies else {}
     return {
         "apiVersion": ADMISSION_API_VERSION,
         "kind": "ValidatingAdmissionPolicy",
         "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "paramKind": {"apiVersion": api.API_VERSION, "kind": "ParityPolicy"},
-            "matchConstraints": {"resourceRules": rules},
-            **spec,
-        },
+        "spec": {"failurePolicy": "Fail", **params, "matchConstraints": {"resourceRules": rules}, **spec},
     }
+
+
+def _with_policies(name: str, resource: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A ValidatingAdmissionPolicy on CREATE and UPDATE of lockstep.dev ``resource``, with every ParityPolicy as
+    its parameter; ``spec`` adds its matchConditions, variables and validations."""
+    rules = [_rule(api.GROUP, [resource], ("CREATE", "UPDATE"), api.VERSION)]
+    return _validating_policy(name, rules, spec, parity_policies=True)
 
 
 def policy() -> dict[str, Any]:
@@ -485,22 +488,11 @@ def barrier_policy(
             "reason": "Forbidden",
         },
     ]
-    return {
-        "apiVersion": ADMISSION_API_VERSION,
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": BARRIER_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE", "DELETE"],
-                        "resources": ["pods", *(f"pods/{name}" for name in POD_SUBRESOURCES)],
-                    }
-                ]
-            },
+    pods = ["pods", *(f"pods/{name}" for name in POD_SUBRESOURCES)]
+    return _validating_policy(
+        BARRIER_POLICY,
+        [_rule("", pods, ("CREATE", "UPDATE", "DELETE"))],
+        {
             # Old or new: removing the label in the same request does not escape the policy.
             "matchConditions": [
                 {"name": "lockstep-pod", "expression": f"({_managed('object')}) || ({_managed('oldObject')})"}
@@ -508,7 +500,7 @@ def barrier_policy(
             "variables": [{"name": name, "expression": expression} for name, expression in variables],
             "validations": operator_only + own_pod_only + confined,
         },
-    }
+    )
 
 
 BINDING_POLICY = "lockstep-pod-binding-metadata"
@@ -530,17 +522,10 @@ def binding_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
         f"['{keys.MANAGED_BY}'] : [])"
     )
     by_operator = f"request.userInfo.username == '{operator_username}' || ({_IS_BREAK_GLASS})"
-    return {
-        "apiVersion": ADMISSION_API_VERSION,
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": BINDING_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/binding"]}
-                ]
-            },
+    return _validating_policy(
+        BINDING_POLICY,
+        [_rule("", ["pods/binding"], ("CREATE",))],
+        {
             "matchConditions": [{"name": "carries-lockstep-keys", "expression": f"size({carried}) > 0"}],
             "variables": [{"name": "carried", "expression": carried}],
             "validations": [
@@ -554,7 +539,7 @@ def binding_policy(operator_username: str = keys.OPERATOR_USERNAME) -> dict[str,
                 }
             ],
         },
-    }
+    )
 
 
 def _deny_binding(policy: str) -> dict[str, Any]:
@@ -596,14 +581,6 @@ def group_sets_policy(
     namespace user with ``edit`` cannot make one through a StatefulSet or a LeaderWorkerSet of their own."""
     trusted = f"({_IS_BREAK_GLASS}) || request.userInfo.username == '{keys.GARBAGE_COLLECTOR_USERNAME}'"
 
-    def rule(group: str, resource: str) -> dict[str, Any]:
-        return {
-            "apiGroups": [group],
-            "apiVersions": ["v1"],
-            "operations": ["CREATE", "UPDATE"],
-            "resources": [resource],
-        }
-
     sts_templates, set_templates = (
         ("template",),
         ("leaderWorkerTemplate.leaderTemplate", "leaderWorkerTemplate.workerTemplate"),
@@ -611,18 +588,13 @@ def group_sets_policy(
     stateful_set = "request.resource.resource == 'statefulsets'"
     caller = "request.userInfo.username"
     what = "request.resource.resource + ' ' + request.namespace + '/' + object.metadata.name"
-    return {
-        "apiVersion": ADMISSION_API_VERSION,
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": GROUP_SETS_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    rule("apps", "statefulsets"),
-                    rule(desired.LEADER_WORKER_SET_GROUP, desired.LEADER_WORKER_SETS),
-                ]
-            },
+    return _validating_policy(
+        GROUP_SETS_POLICY,
+        [
+            _rule("apps", ["statefulsets"], ("CREATE", "UPDATE")),
+            _rule(desired.LEADER_WORKER_SET_GROUP, [desired.LEADER_WORKER_SETS], ("CREATE", "UPDATE")),
+        ],
+        {
             "matchConditions": [
                 {
                     "name": "mints-lockstep-pods",
@@ -653,7 +625,7 @@ def group_sets_policy(
                 },
             ],
         },
-    }
+    )
 
 
 def barrier_manifests(
