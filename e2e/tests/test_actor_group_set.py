@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
-from lockstep import keys
+from lockstep import desired, keys
 from lockstep.api import ActorGroup
 from lockstep_e2e.agents import running_agents
 from lockstep_e2e.fixtures import push_weights, wait_for, weights_version
-from lockstep_e2e.jobs import announce_weights, create_job, get_job, rljob
+from lockstep_e2e.install import apply
+from lockstep_e2e.jobs import announce_weights, condition, create_job, events_for, get_job, rljob
 from lockstep_workers.actor.group import node_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("lockstep")]
@@ -27,6 +29,22 @@ PODS = {"big-actor-0", "big-actor-0-1", "big-actor-1", "big-actor-1-1"}
 def pods(kube: client.ApiClient, namespace: str) -> dict[str, Any]:
     listed = client.CoreV1Api(kube).list_namespaced_pod(namespace, label_selector=f"{keys.JOB}=big")
     return {pod.metadata.name: pod for pod in listed.items if pod.metadata.deletion_timestamp is None}
+
+
+SETS = (desired.LEADER_WORKER_SET_GROUP, desired.LEADER_WORKER_SET_VERSION)
+
+
+def group_set(kube: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    """The LeaderWorkerSet ``name`` as read, or None while there is none."""
+    try:
+        found = client.CustomObjectsApi(kube).get_namespaced_custom_object(
+            *SETS, namespace, desired.LEADER_WORKER_SETS, name
+        )
+    except ApiException as error:
+        if error.status != 404:
+            raise
+        return None
+    return dict(found)
 
 
 def running_groups(kube: client.ApiClient, namespace: str) -> None:
@@ -98,3 +116,118 @@ def test_a_worker_lost_mid_update_recreates_its_group_which_catches_up(kube: cli
     history = get_job(kube, namespace, "big")["status"]["barrierHistory"]
     # (version, members that completed it): the update without group 1, then group 1's catch-up.
     assert [(r["version"], r["members"]) for r in history] == [(1, 1), (1, 1)]
+
+
+def test_a_leader_worker_set_made_before_the_job_is_never_adopted(kube: client.ApiClient, namespace: str) -> None:
+    """Issue 46 item 2: a namespace user makes the LeaderWorkerSet <job>-actor (a sidecar with LD_PRELOAD beside
+    the engine) before the job exists, and LeaderWorkerSet's controller makes its pods, of the names the job's
+    groups would have. The job names the set as a taken name and never adopts it: no owner reference, no write of
+    the operator's, its spec as the user wrote it; its pods are never deleted, commanded or counted."""
+    from test_hardening import name_taken
+
+    containers = [
+        {"name": "engine", "image": "busybox"},
+        {"name": "sidecar", "image": "busybox", "env": [{"name": "LD_PRELOAD", "value": "/hooks/steal.so"}]},
+    ]
+    premade = {
+        "apiVersion": "/".join(SETS),
+        "kind": desired.LEADER_WORKER_SET,
+        "metadata": {"name": "premade-actor"},
+        "spec": {
+            "replicas": 1,
+            "leaderWorkerTemplate": {"size": 2, "workerTemplate": {"spec": {"containers": containers}}},
+        },
+    }
+    made = client.CustomObjectsApi(kube).create_namespaced_custom_object(
+        *SETS, namespace, desired.LEADER_WORKER_SETS, premade, field_manager="kubectl-create"
+    )
+    core = client.CoreV1Api(kube)
+    its_pods = ["premade-actor-0", "premade-actor-0-1"]
+
+    def made_pods() -> dict[str, str]:
+        listed = core.list_namespaced_pod(namespace, label_selector="leaderworkerset.sigs.k8s.io/name=premade-actor")
+        return {pod.metadata.name: pod.metadata.uid for pod in listed.items}
+
+    wait_for(lambda: sorted(made_pods()) == its_pods, "LeaderWorkerSet's controller to make the user's group")
+    uids = made_pods()
+    job = rljob("premade", actors=1)
+    job["spec"]["actors"]["group"] = GROUP
+    create_job(kube, namespace, job)
+
+    message = name_taken(kube, namespace, "premade")["message"]
+    assert (
+        "LeaderWorkerSet premade-actor was not made by this RLJob, which never adopts one: owned by nobody, "
+        "written by kubectl-create" in message
+    ), message
+    assert f"kubectl delete -n {namespace} leaderworkerset premade-actor" in message, message
+    found = group_set(kube, namespace, "premade-actor")
+    assert found is not None and found["metadata"]["uid"] == made["metadata"]["uid"]
+    assert not found["metadata"].get("ownerReferences"), "never adopted"
+    managers = {entry["manager"] for entry in found["metadata"]["managedFields"]}
+    assert keys.FIELD_MANAGER not in managers, managers
+    assert found["spec"] == made["spec"], "its templates as the user wrote them"
+    assert made_pods() == uids, "its pods never deleted"
+    for name in its_pods:
+        assert keys.BARRIER not in (core.read_namespaced_pod(name, namespace).metadata.annotations or {})
+    status = get_job(kube, namespace, "premade")["status"]
+    assert "barrier" not in status and not (status.get("actorPods") or {}).get("ready"), status
+
+
+def test_a_hand_edit_of_the_groups_leader_worker_set_replaces_it_whole(kube: client.ApiClient, namespace: str) -> None:
+    """Issue 46 item 2: a member of the break-glass group (whom admission lets past) adds VLLM_ATTENTION_BACKEND to
+    the leader template of the job's LeaderWorkerSet with kubectl patch, a field the operator does not set. The
+    operator deletes the set and makes it anew, without the edit; ParityLocked says Drift, naming the editor; the
+    job's new groups run."""
+    from test_hardening import _once_rbac_allows
+    from test_security import RBAC, impersonating, pod_rbac
+
+    running_groups(kube, namespace)
+    before = group_set(kube, namespace, "big-actor")
+    assert before is not None
+    leader_uid = client.CoreV1Api(kube).read_namespaced_pod("big-actor-0", namespace).metadata.uid
+    glass = {"kind": "Group", "name": keys.BREAK_GLASS_GROUP, "apiGroup": RBAC}
+    apply(kube, pod_rbac(namespace, glass, ["patch"], desired.LEADER_WORKER_SETS, desired.LEADER_WORKER_SET_GROUP))
+    editor = client.CustomObjectsApi(impersonating(kube, "alice", keys.BREAK_GLASS_GROUP))
+    backend = {"name": "VLLM_ATTENTION_BACKEND", "value": "TORCH_SDPA"}
+    edit = [
+        {"op": "add", "path": "/spec/leaderWorkerTemplate/leaderTemplate/spec/containers/0/env/-", "value": backend}
+    ]
+
+    def patch() -> object:
+        return editor.patch_namespaced_custom_object(
+            *SETS,
+            namespace,
+            desired.LEADER_WORKER_SETS,
+            "big-actor",
+            edit,
+            field_manager="kubectl-patch",
+            _content_type="application/json-patch+json",
+        )
+
+    wait_for(lambda: _once_rbac_allows(patch), "the RoleBinding to let alice patch the LeaderWorkerSet")
+
+    def drift() -> list[str]:
+        return [e.message for e in events_for(kube, namespace, "big") if e.reason == "Drift" and e.type == "Warning"]
+
+    wait_for(drift, "the Drift Warning Event")  # the condition's transition; it is True again once replaced
+    named = (
+        "ParityLocked=False: LeaderWorkerSet big-actor's spec was changed by kubectl-patch (Update), not by Lockstep"
+    )
+    assert all(message.startswith(named) for message in drift()), drift()
+
+    def runs_anew() -> bool:
+        job = get_job(kube, namespace, "big")
+        status = job.get("status") or {}
+        now = pods(kube, namespace).get("big-actor-0")
+        return (
+            condition(job, "Ready").get("status") == "True"
+            and (status.get("actorPods") or {}).get("ready") == len(PODS)
+            and now is not None
+            and now.metadata.uid != leader_uid
+        )
+
+    wait_for(runs_anew, "the job's groups to run anew", timeout=90)
+    after = group_set(kube, namespace, "big-actor")
+    assert after is not None and after["metadata"]["uid"] != before["metadata"]["uid"], "replaced, not patched back"
+    assert after["spec"]["leaderWorkerTemplate"] == before["spec"]["leaderWorkerTemplate"], "without the edit"
+    assert condition(get_job(kube, namespace, "big"), "ParityLocked")["status"] == "True"

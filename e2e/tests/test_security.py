@@ -52,16 +52,18 @@ def annotate(core: client.CoreV1Api, namespace: str, pod: str, values: dict[str,
     return lambda: core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": values}})
 
 
-def pod_rbac(namespace: str, subject: dict[str, str], verbs: list[str], resource: str = "pods") -> list[dict[str, Any]]:
-    """A Role granting ``verbs`` on ``resource`` (pods, or a subresource such as pods/status) of every pod of
-    ``namespace`` to ``subject``, and its binding."""
+def pod_rbac(
+    namespace: str, subject: dict[str, str], verbs: list[str], resource: str = "pods", api_group: str = ""
+) -> list[dict[str, Any]]:
+    """A Role granting ``verbs`` on ``resource`` of ``api_group`` (pods, or a subresource such as pods/status, of
+    the core group; or another kind's) in ``namespace`` to ``subject``, and its binding."""
     name = f"e2e-{subject['name']}-{resource.replace('/', '-')}"
     return [
         {
             "apiVersion": f"{RBAC}/v1",
             "kind": "Role",
             "metadata": {"name": name, "namespace": namespace},
-            "rules": [{"apiGroups": [""], "resources": [resource], "verbs": verbs}],
+            "rules": [{"apiGroups": [api_group], "resources": [resource], "verbs": verbs}],
         },
         {
             "apiVersion": f"{RBAC}/v1",
