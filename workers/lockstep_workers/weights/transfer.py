@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import re
+import socket
 import threading
 import time
 import urllib.request
@@ -56,10 +57,18 @@ GLOO_ENGINE = "lockstep_gloo"
 """The name the gloo engine is registered under in vLLM's WeightTransferEngineFactory."""
 VLLM_ENGINE = {WeightSyncBackend.NCCL: "nccl", WeightSyncBackend.GLOO: GLOO_ENGINE}
 GROUP_TIMEOUT = dt.timedelta(seconds=60)
-"""gloo: how long a member waits for the others to join the group, and for each tensor. A sender that dies
-before it opened the rendezvous leaves its receivers waiting this long; then their attempt fails and the
-barrier retries it (vLLM's NCCL rendezvous waits 300 s; a receive that hangs inside NCCL is ended only by
-the barrier's deadline)."""
+"""gloo: a member's deadline for the others to join the group, and then for each tensor (each has it whole, so a
+slow but healthy transfer is never cut short). A receiver whose sender is dead gives up: after GROUP_TIMEOUT if it
+never reached the sender's rendezvous (gloo_group waits for it, not torch's store client, which retries a whole
+timeout after a back-off); at once or within STORE_CONNECT_TIMEOUT's retry (about 12 s) if the sender dies as it
+joins; as soon as gloo sees the connection closed, at the latest after the tensor's GROUP_TIMEOUT, if it dies while
+it sends. The attempt then fails and the barrier retries it in a new group (vLLM's NCCL rendezvous waits 300 s; a
+receive that hangs inside NCCL is ended only by the barrier's deadline)."""
+STORE_CONNECT_TIMEOUT = dt.timedelta(seconds=5)
+"""gloo: how long a receiver's store client may take to connect once the sender's rendezvous accepted connections:
+a healthy store answers in milliseconds. torch retries it once after a back-off (8.6-12.2 s in all, measured here
+with nothing listening; 114 s for a 60 s timeout in the e2e sender kill), which is why the wait for the sender is not
+left to it."""
 
 
 class Manifest(Model):
@@ -274,10 +283,37 @@ class Sender:
 
 
 def gloo_group(host: str, port: int, rank: int, world_size: int) -> Any:
-    """A gloo process group of its own (not torch.distributed's default group, which the trainer's ranks use)."""
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    """A gloo process group of its own (not torch.distributed's default group, which the trainer's ranks use), the
+    store of its rendezvous at ``host``:``port`` served by rank 0. vLLM's stateless_init_torch_distributed_process_group
+    but for the receivers' wait for that store, bounded by GROUP_TIMEOUT here rather than by torch's client, which
+    retries a whole timeout after a back-off (see STORE_CONNECT_TIMEOUT)."""
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+    from vllm.distributed.utils import init_gloo_process_group
+    from vllm.utils.network_utils import get_tcp_uri
 
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo", timeout=GROUP_TIMEOUT)
+    if rank == 0:
+        store = TCPStore(host, port, world_size, is_master=True, timeout=GROUP_TIMEOUT, multi_tenant=True)
+    else:
+        _wait_for_rendezvous(host, port, time.monotonic() + GROUP_TIMEOUT.total_seconds())
+        store = TCPStore(host, port, world_size, is_master=False, timeout=STORE_CONNECT_TIMEOUT, multi_tenant=True)
+        store.set_timeout(GROUP_TIMEOUT)
+    prefixed = PrefixStore(get_tcp_uri(host, port), store)
+    return init_gloo_process_group(prefix_store=prefixed, group_rank=rank, group_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def _wait_for_rendezvous(host: str, port: int, deadline: float) -> None:
+    """Return once ``host``:``port`` accepts a connection; raise TimeoutError at ``deadline`` (time.monotonic)."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no weight-transfer rendezvous at {host}:{port} within {GROUP_TIMEOUT.total_seconds():.0f} s: "
+                    "the sender is not there"
+                ) from error
+            time.sleep(0.2)
 
 
 async def receive(llm: Any, staged: StagedTransfer, backend: WeightSyncBackend) -> None:

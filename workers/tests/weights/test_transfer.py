@@ -5,6 +5,9 @@ present)."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -147,3 +150,31 @@ def test_the_trainer_sends_weights_into_a_running_actor(tmp_path: Path, backend:
     result = asyncio.run(scenario())
     assert sent == [None]
     assert_spans_the_update(result, model_dir, updated)
+
+
+KILLED_AS_IT_ACCEPTS = """
+import os, signal, socket, sys
+socket.socket(fileno=int(sys.argv[1])).accept()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+"""A sender that is SIGKILLed as the first receiver connects to its rendezvous (the listening socket, inherited)."""
+
+
+@pytest.mark.timeout(45)  # well under the 60 s + a back-off + 60 s that torch's store client alone waited
+def test_a_receiver_whose_sender_is_killed_as_it_joins_gives_up_within_the_deadline() -> None:
+    """The e2e sender kill's case: the sender dies while a receiver joins its group, the receiver's connection is
+    reset and the sender's port closed. The receiver's join fails (within GROUP_TIMEOUT: here within
+    STORE_CONNECT_TIMEOUT's retry), and the barrier retries it in a new group."""
+    from lockstep_workers.weights.transfer import gloo_group
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        sender = subprocess.Popen(
+            [sys.executable, "-c", KILLED_AS_IT_ACCEPTS, str(listener.fileno())], pass_fds=[listener.fileno()]
+        )
+    try:
+        with pytest.raises((RuntimeError, TimeoutError)):
+            gloo_group("127.0.0.1", port, 1, 2)
+    finally:
+        sender.wait()
+    assert sender.returncode == -signal.SIGKILL
