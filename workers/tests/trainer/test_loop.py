@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -1064,7 +1065,11 @@ def test_a_trainer_killed_with_rows_sampled_but_not_learned_resumes_without_skip
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert trainer.is_alive() and time.monotonic() < deadline, "the trainer did not reach step 3"
         time.sleep(0.1)
-    trainer.kill()
+    rank = psutil.Process(trainer.pid)
+    killed = [rank, *rank.children(recursive=True)]  # its reward processes die with it, as a container's do
+    for process in killed:
+        process.kill()
+    psutil.wait_procs(killed)
     trainer.join()
     assert sorted(recorded_rows(shared)) == [1, 2], "killed before learning step 3"
     resumed = run_trainer(1, model, shared, steps=4, settings=settings, vocabulary=size)
