@@ -190,7 +190,22 @@ def demo_cluster(workdir: Path) -> Iterator[tuple[LocalCluster, client.ApiClient
     step("stopped the operator and the control plane")
 
 
+STOPPING = "stopping every process the demo started (Ctrl-C again is ignored until they have stopped)"
+
+
+def _stop_once(signum: int, frame: object) -> None:
+    """The first Ctrl-C (or SIGTERM) stops the demo: the control plane, the operator and every pod's processes are
+    stopped before it exits. Any further one is ignored meanwhile: raised inside that cleanup, it would break it off
+    and leave the pods' processes (which run in sessions of their own, as containers do) running."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    step(STOPPING)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    signal.signal(signal.SIGINT, _stop_once)
+    signal.signal(signal.SIGTERM, _stop_once)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tiny", action="store_true", help="the tiny random model's demo instead of SmolLM2's")
     parser.add_argument("--workdir", type=Path, help="cluster state and logs (default: out/demo or out/demo-tiny)")
@@ -256,7 +271,6 @@ def main() -> None:
             raise SystemExit(f"the job did not succeed; pod logs in {workdir / 'pods'}")
         if options.keep:
             print(f"\nThe cluster keeps running: export KUBECONFIG={cluster.kubeconfig}  (Ctrl-C stops it)")
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
             with contextlib.suppress(KeyboardInterrupt):
                 signal.pause()
 
@@ -309,4 +323,8 @@ def report(demo: Demo, cluster: LocalCluster, result: RunResult, workdir: Path) 
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        step("stopped: no process the demo started is left")
+        raise SystemExit(130) from None
