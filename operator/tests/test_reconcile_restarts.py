@@ -96,6 +96,8 @@ def test_a_trainer_that_gave_up_fails_the_job_at_once_quoting_why() -> None:
     assert f"trainer pod demo-trainer-0 stopped for good ({GAVE_UP})" in ready.message
     restarted = plan_for(body, gave_up(pods, "demo-actor-0"))
     assert restarted.status.phase is not Phase.FAILED and restarted.status.restarts == 1, "only the trainer's code"
+    both = plan_for(body, gave_up(gave_up(pods, "demo-actor-0"), "demo-trainer-0"))
+    assert both.status.phase is Phase.FAILED and both.status.restarts == 0, "an actor failing first hides nothing"
 
 
 def test_a_trainer_that_stops_on_its_dataset_says_why_in_the_ready_condition() -> None:

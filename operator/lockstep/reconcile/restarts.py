@@ -36,8 +36,12 @@ def count_losses(run: Pass, spec: RLJobSpec, children: Children) -> Next:
     run.status.restarting = [name for name in run.status.restarting if name in children.desired.pods]
     for name in children.failed:
         run.plan.delete_pods[name] = "it failed"
-    gave_up = [name for name in children.failed if exit_code(run.pods[name]) == protocol.TRAINER_GAVE_UP_EXIT_CODE]
-    if gave_up and role(run.pods[gave_up[0]]) == keys.TRAINER:
+    gave_up = [
+        name
+        for name in children.failed
+        if role(run.pods[name]) == keys.TRAINER and exit_code(run.pods[name]) == protocol.TRAINER_GAVE_UP_EXIT_CODE
+    ]
+    if gave_up:
         why = termination_message(run.pods[gave_up[0]]) or "it left no termination message"
         verdict = (
             f"trainer pod {gave_up[0]} stopped for good ({why}): a restart would resume from the same committed "
